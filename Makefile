@@ -1,0 +1,56 @@
+# Every target uses the virtual environment in .venv/ and creates it when missing.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The torch build installed before the package. The default is the CPU wheel of this release where
+# your pip finds one; for CUDA use e.g.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# and for the CPU build on a machine whose pip defaults to CUDA:
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+ARGS   ?=
+CKPT   ?=
+# `make train trainer.max_epochs=3` works too: command-line variables that are not ours are overrides.
+OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=%,$(MAKEOVERRIDES)) $(ARGS)
+
+.PHONY: help install train eval test test-fast lint format clean
+
+help: ## show this help
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install the package with its dev extras (idempotent)
+
+train: install ## train the default experiment; overrides: make train ARGS="trainer.max_epochs=3" (or bare)
+	$(PY) -m mlproject.train $(OVERRIDES)
+
+eval: install ## evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS=...]
+	@test -n "$(CKPT)" || { echo "error: give the checkpoint, e.g. make eval CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
+	$(PY) -m mlproject.eval ckpt_path=$(CKPT) $(OVERRIDES)
+
+test: install ## run the whole test suite
+	$(PY) -m pytest $(ARGS)
+
+test-fast: install ## run the tests that start no extra processes
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+lint: install ## ruff lint and format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install ## ruff auto-fix and format
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
+	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +

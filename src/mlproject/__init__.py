@@ -1,0 +1,1 @@
+"""mlproject: a Lightning + Hydra template for distributed training."""

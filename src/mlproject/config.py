@@ -1,0 +1,188 @@
+"""Config plumbing shared by the entry points: Hydra entry with one-line errors, resolvers, preflight."""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import hydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = PROJECT_ROOT / "configs"
+IGNORE_INDEX = -100  # target value of padded evaluation samples; losses and metrics skip it
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says how to fix it."""
+
+
+def run_id() -> str:
+    """One id per job, the same on every rank and every requeue.
+
+    SLURM_JOB_ID survives requeues; TORCHELASTIC_RUN_ID is shared by torchrun's workers. Otherwise the
+    first process creates an id and exports it, so that the processes Lightning launches for the other
+    ranks (which inherit the environment) write into the same directory.
+    """
+    for var in ("MLPROJECT_RUN_ID", "SLURM_JOB_ID"):
+        if os.environ.get(var):
+            return os.environ[var]
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return os.environ["TORCHELASTIC_RUN_ID"]
+    rid = f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
+    os.environ["MLPROJECT_RUN_ID"] = rid
+    return rid
+
+
+def default_precision(accelerator: str = "auto") -> str:
+    """bf16-mixed on a CUDA GPU that supports it, else full fp32 (CPU autocast is slow and lossy)."""
+    if accelerator == "cpu":
+        return "32-true"
+    import torch
+
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def register_resolvers() -> None:
+    for name, fn in {
+        "run_id": run_id,
+        "precision": default_precision,
+        "project_root": lambda: os.environ.get("PROJECT_ROOT", str(PROJECT_ROOT)),
+    }.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=True)
+
+
+register_resolvers()
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra and OmegaConf errors span many lines (search paths, full keys); keep what a user needs."""
+    text = str(exc).split("Config search path")[0]
+    if exc.__cause__ is not None and not isinstance(exc, ConfigError):
+        text += "\n" + str(exc.__cause__)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
+    return " ".join(ln if ln.endswith((".", ":")) else ln + "." for ln in lines).replace(": .", ":")
+
+
+def hydra_entry(config_name: str):
+    """`hydra.main` on configs/<config_name>.yaml; a config mistake ends with one line and exit code 2.
+
+    Hydra prints multi-line reports for bad overrides; we ask it to raise instead (HYDRA_FULL_ERROR)
+    and print one line, unless the user set HYDRA_FULL_ERROR=1 to see the traceback.
+    """
+
+    def decorator(task):
+        wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(task)
+
+        @functools.wraps(task)
+        def main():
+            full = os.environ.get("HYDRA_FULL_ERROR") == "1" and "_MLPROJECT_FULL_ERROR" not in os.environ
+            os.environ["HYDRA_FULL_ERROR"] = os.environ["_MLPROJECT_FULL_ERROR"] = "1"
+            try:
+                return wrapped()
+            except (HydraException, OmegaConfBaseException, ConfigError) as exc:
+                if full:
+                    raise
+                print(f"error: {one_line(exc)}", file=sys.stderr)
+                sys.exit(2)
+
+        return main
+
+    return decorator
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Processes in the job, from trainer.devices and trainer.num_nodes, as Lightning will count them."""
+    devices, accelerator = cfg.trainer.devices, cfg.trainer.accelerator
+    if isinstance(devices, str) and devices != "auto":
+        devices = int(devices) if devices.strip().lstrip("-").isdigit() else len(devices.split(","))
+    if devices in ("auto", -1):
+        import torch
+
+        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        devices = torch.cuda.device_count() if gpu else 1
+    elif not isinstance(devices, int):
+        devices = len(devices)
+    return devices * int(cfg.trainer.get("num_nodes", 1))
+
+
+def per_device_batch_size(batch_size: int, world: int, accumulate: int = 1) -> int:
+    """The global batch size split over processes and accumulation steps; it must divide exactly."""
+    if batch_size % (world * accumulate):
+        raise ConfigError(
+            f"data.batch_size={batch_size} is the global batch size and must divide by world size {world} "
+            f"x trainer.accumulate_grad_batches {accumulate}; use a multiple of {world * accumulate}"
+        )
+    return batch_size // (world * accumulate)
+
+
+def check_override_types(cfg: DictConfig) -> None:
+    """Refuse `key=value` overrides whose type differs from the default's (e.g. trainer.max_epochs=ten).
+
+    Hydra accepts any value for a key in a plain YAML config; the mistake would otherwise surface deep
+    inside Lightning. Compare against the same config composed with the group choices only.
+    """
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hc = HydraConfig.get()
+    overrides = OverridesParser.create().parse_overrides(list(hc.overrides.task))
+    groups = set(hc.runtime.choices)
+    values = [o for o in overrides if o.key_or_group not in groups and not o.is_delete() and not o.is_add()]
+    if not values or hc.mode.name == "MULTIRUN":  # sweep values are lists and ranges: checked per trial
+        return
+    base = compose(hc.job.config_name, [o.input_line for o in overrides if o not in values])
+    for o in values:
+        if o.key_or_group.startswith("hydra."):
+            continue
+        default, given = OmegaConf.select(base, o.key_or_group), OmegaConf.select(cfg, o.key_or_group)
+        if default is None or given is None or isinstance(default, str):
+            continue
+        expected = (int, float) if isinstance(default, float) else type(default)
+        if isinstance(given, bool) != isinstance(default, bool) or not isinstance(given, expected):
+            raise ConfigError(
+                f"{o.key_or_group}={given!r} should be a {type(default).__name__} like the default "
+                f"{default!r}"
+            )
+
+
+def preflight(cfg: DictConfig) -> None:
+    """Every impossible setting, caught before anything is built, with the fix in one line."""
+    import torch
+
+    check_override_types(cfg)
+    accelerator, world = cfg.trainer.accelerator, world_size(cfg)
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator=gpu but no CUDA GPU is visible; use trainer=cpu")
+        if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > torch.cuda.device_count():
+            raise ConfigError(
+                f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} "
+                f"GPU(s); use trainer.devices={torch.cuda.device_count()} or fewer"
+            )
+    strategy = cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] if cfg.get("strategy") else ""
+    if strategy == "single" and world > 1:
+        raise ConfigError(
+            f"strategy=single runs one process but trainer.devices x trainer.num_nodes = {world}; "
+            "use strategy=ddp (or trainer.devices=1)"
+        )
+    precision = str(cfg.trainer.precision)
+    if precision.startswith("16") and (accelerator == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError(
+            f"trainer.precision={precision} needs a CUDA GPU (on CPU Lightning would silently use bf16); "
+            "use trainer.precision=32-true or bf16-mixed"
+        )
+    if "data" in cfg and "batch_size" in cfg.data:
+        per_device_batch_size(cfg.data.batch_size, world, cfg.trainer.get("accumulate_grad_batches", 1))
+    ckpt = cfg.get("ckpt_path")
+    if ckpt and ckpt != "auto" and not Path(ckpt).exists():
+        raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")

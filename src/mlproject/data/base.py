@@ -1,0 +1,104 @@
+"""The base every datamodule uses: a global batch size, and evaluation where each sample counts once.
+
+Subclasses only create `self.train_set`, `self.val_set` and `self.test_set` (datasets of `(x, y)`
+pairs) in `setup`. This class turns them into dataloaders that are correct under any world size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from mlproject.config import IGNORE_INDEX, per_device_batch_size
+
+PAD = -1  # sampler index of a padding slot
+
+
+class Indexed(Dataset):
+    """Yields `(x, y, idx)`. Index PAD gives a stand-in sample whose target is IGNORE_INDEX everywhere,
+    so losses and metrics skip it while every rank still runs the same number of forward passes."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        if i == PAD:
+            x, y = self.dataset[0]
+            return x, torch.full_like(torch.as_tensor(y), IGNORE_INDEX), PAD
+        x, y = self.dataset[i]
+        return x, y, i
+
+
+class EvalSampler(DistributedSampler):
+    """Rank r reads samples r, r+W, r+2W, ... exactly once; shorter ranks are padded with PAD slots.
+
+    torch's DistributedSampler instead repeats real samples to even out the ranks, which counts them
+    twice in every metric. Subclassing it tells Lightning to keep this sampler as it is.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.num_samples = max(1, math.ceil(len(dataset) / num_replicas))
+
+    def __iter__(self):
+        own = list(range(self.rank, len(self.dataset), self.num_replicas))
+        return iter(own + [PAD] * (self.num_samples - len(own)))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class DataModule(L.LightningDataModule):
+    """Base datamodule. `batch_size` is global: each device gets batch_size / (world x accumulation)."""
+
+    def __init__(self, batch_size: int, num_workers: int = 0, pin_memory: bool = False):
+        super().__init__()
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+
+    @property
+    def per_device_batch_size(self) -> int:
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
+        return per_device_batch_size(self.batch_size, self._world()[0], accumulate)
+
+    def _loader(self, dataset: Dataset, sampler, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            Indexed(dataset),
+            batch_size=self.per_device_batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        # A DistributedSampler even on one process: the same seed then gives the same global batches
+        # on any world size (rank r's batch k is a slice of the single-process batch k), and dropping
+        # the incomplete tail keeps every rank's micro-batch the same size.
+        world, rank = self._world()
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = DistributedSampler(self.train_set, world, rank, shuffle=True, seed=seed, drop_last=True)
+        return self._loader(self.train_set, sampler, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, EvalSampler(self.val_set, *self._world()), drop_last=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, EvalSampler(self.test_set, *self._world()), drop_last=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.test_dataloader()

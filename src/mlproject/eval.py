@@ -1,0 +1,41 @@
+"""Evaluate a checkpoint on the test split: `python -m mlproject.eval ckpt_path=... [overrides]`."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from mlproject.config import hydra_entry, preflight
+
+
+@hydra_entry("eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    preflight(cfg)
+
+    import lightning as L
+    from hydra.utils import get_class, instantiate
+
+    from mlproject.utils.instantiate import instantiate_all
+    from mlproject.utils.report import apply_extras, print_summary, write_metrics
+
+    apply_extras(cfg)
+    if cfg.seed is not None:
+        L.seed_everything(cfg.seed, workers=True)
+
+    # the architecture comes from the checkpoint's saved hyperparameters, not from cfg.model
+    model = get_class(cfg.model._target_).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    datamodule = instantiate(cfg.data)
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=instantiate_all(cfg.get("callbacks")),
+        logger=instantiate_all(cfg.get("logger")) or False,
+    )
+    trainer.test(model, datamodule=datamodule)
+
+    values = write_metrics(trainer.callback_metrics, cfg.paths.output_dir)
+    print_summary(values, cfg.paths.output_dir)
+    return values
+
+
+if __name__ == "__main__":
+    main()

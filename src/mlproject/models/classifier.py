@@ -1,0 +1,59 @@
+"""The LightningModule for classification: training step, exact evaluation, optimizer and schedule.
+
+It takes plain dicts (the model config), so its saved hyperparameters load with
+`torch.load(weights_only=True)`; the network itself is any nn.Module named by `net._target_`.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torchmetrics.classification import MulticlassAccuracy
+
+from mlproject.models.metrics import ClassificationMetrics
+from mlproject.models.optim import adamw, warmup_cosine
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, net: dict, num_classes: int, optimizer: dict, scheduler: dict):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = instantiate(net)
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes)
+        self.val_metrics = ClassificationMetrics(num_classes)
+        self.test_metrics = ClassificationMetrics(num_classes)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc.update(logits, y)  # computed (and synced) once per epoch, not per step
+        self.log("train/loss", loss, prog_bar=True)  # this rank's value; no collective per step
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def _evaluate(self, batch, stage: str, metrics: ClassificationMetrics) -> None:
+        x, y, _ = batch
+        metrics.update(self(x), y)
+        for name, metric in metrics.items().items():
+            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in ("acc", "loss"))
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val", self.val_metrics)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test", self.test_metrics)
+
+    def predict_step(self, batch, batch_idx):
+        x, y, idx = batch
+        return {"idx": idx, "target": y, "pred": self(x).argmax(-1)}
+
+    def configure_optimizers(self):
+        opt = adamw(self, **self.hparams.optimizer)
+        total = int(self.trainer.estimated_stepping_batches)
+        sched = warmup_cosine(opt, total, **self.hparams.scheduler)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

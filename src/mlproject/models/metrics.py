@@ -1,0 +1,39 @@
+"""Evaluation metrics as torchmetrics objects: reduced over all ranks by torchmetrics, never averaged
+per rank. Padded samples (target IGNORE_INDEX) are skipped, so N processes report what one would."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric, Metric, SumMetric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
+
+from mlproject.config import IGNORE_INDEX
+
+
+class ClassificationMetrics(nn.Module):
+    """acc, macro f1, auroc, the sample-weighted mean loss and the number of samples counted."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        kw = {"num_classes": num_classes, "ignore_index": IGNORE_INDEX}
+        self.scores = nn.ModuleDict({
+            "acc": MulticlassAccuracy(average="micro", **kw),
+            "f1": MulticlassF1Score(average="macro", **kw),
+            "auroc": MulticlassAUROC(**kw),
+        })
+        self.loss, self.samples = MeanMetric(), SumMetric()
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Accumulate one batch; returns the batch's mean loss over its real samples."""
+        losses = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="none")
+        valid = (target != IGNORE_INDEX).float()
+        self.loss.update(losses, weight=valid)
+        self.samples.update(valid.sum())
+        for metric in self.scores.values():
+            metric.update(logits, target)
+        return (losses * valid).sum() / valid.sum().clamp(min=1)
+
+    def items(self) -> dict[str, Metric]:
+        return {**self.scores, "loss": self.loss, "samples": self.samples}

@@ -1,0 +1,61 @@
+"""Train a model: `python -m mlproject.train [hydra overrides]`. Reads top to bottom as one run."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from mlproject.config import hydra_entry, preflight
+
+
+@hydra_entry("train")
+def main(cfg: DictConfig) -> float | None:
+    # 1. refuse impossible settings before anything heavy is imported or built
+    preflight(cfg)
+
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from mlproject.utils.instantiate import instantiate_all
+    from mlproject.utils.logging import get_logger
+    from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
+
+    log = get_logger(__name__)
+    apply_extras(cfg)
+    if cfg.seed is not None:
+        L.seed_everything(cfg.seed, workers=True)
+
+    # 2. build: data, model, callbacks, loggers, trainer
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=instantiate_all(cfg.get("callbacks")),
+        logger=instantiate_all(cfg.get("logger")) or False,
+    )
+    log.info(
+        f"effective batch size {cfg.data.batch_size} = {cfg.data.batch_size // (trainer.world_size * trainer.accumulate_grad_batches)} "
+        f"per device x {trainer.world_size} device(s) x {trainer.accumulate_grad_batches} accumulation step(s); "
+        f"precision {trainer.precision}"
+    )
+    log_hyperparameters(cfg, model, trainer)
+
+    # 3. fit, then test the best checkpoint
+    if cfg.train:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    metrics = dict(trainer.callback_metrics)
+    if cfg.test:
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
+        metrics.update(trainer.callback_metrics)
+
+    # 4. report: metrics.json in the run directory, a table, and the value a sweeper optimises
+    write_metrics(metrics, cfg.paths.output_dir)
+    print_summary({k: float(v) for k, v in sorted(metrics.items()) if k.startswith(("val/", "test/"))},
+                  cfg.paths.output_dir)
+    value = metrics.get(cfg.get("optimized_metric"))
+    return None if value is None else float(value)
+
+
+if __name__ == "__main__":
+    main()

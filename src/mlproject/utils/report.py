@@ -1,0 +1,75 @@
+"""What a run tells the world: config tree, hyperparameters, final metrics table and metrics.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from mlproject.utils.logging import drop_lightning_console_handler, get_logger, rank
+
+log = get_logger(__name__)
+
+
+def apply_extras(cfg: DictConfig) -> None:
+    """Optional start-of-run conveniences from configs/extras/."""
+    drop_lightning_console_handler()
+    extras = cfg.get("extras") or {}
+    if extras.get("ignore_warnings"):
+        warnings.filterwarnings("ignore")
+    if extras.get("print_config") and rank() == 0:
+        print_config_tree(cfg)
+
+
+def print_config_tree(cfg: DictConfig) -> None:
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    tree = rich.tree.Tree("config", guide_style="dim")
+    for key, value in cfg.items():
+        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
+        tree.add(str(key)).add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark"))
+    rich.print(tree)
+
+
+def log_hyperparameters(cfg: DictConfig, model, trainer) -> None:
+    """Send the resolved config and parameter counts to every logger (loggers write on rank 0 only)."""
+    if not trainer.loggers:
+        return
+    hparams = OmegaConf.to_container(cfg, resolve=True)
+    hparams["model/params/total"] = sum(p.numel() for p in model.parameters())
+    hparams["model/params/trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(hparams)
+
+
+def write_metrics(metrics: dict, run_dir: str | Path, prefix: str = "test/") -> dict[str, float]:
+    """Write `metrics.json` (name -> float) in the run directory; rank 0 writes, atomically."""
+    values = {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(prefix)}
+    if rank() == 0:
+        path = Path(run_dir) / "metrics.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(values, indent=2) + "\n")
+        os.replace(tmp, path)
+    return values
+
+
+def print_summary(values: dict[str, float], run_dir: str | Path) -> None:
+    """A small table of the final metrics and where the run lives (rank 0)."""
+    if rank() != 0:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="final metrics", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in values.items():
+        table.add_row(name, f"{value:.4f}")
+    console = Console()
+    console.print(table)
+    console.print(f"run directory: {run_dir}")
