@@ -20,21 +20,40 @@ FAST = ["extras.print_config=false", "trainer.max_epochs=2"]
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment for a child run: no ids or ranks inherited from this process or a scheduler."""
-    drop = ("MLPROJECT_RUN_ID", "SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "NODE_RANK",
-            "TORCHELASTIC", "HYDRA_FULL_ERROR", "_MLPROJECT")
+    drop = (
+        "MLPROJECT_RUN_ID",
+        "SLURM_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_",
+        "NODE_RANK",
+        "TORCHELASTIC",
+        "HYDRA_FULL_ERROR",
+        "_MLPROJECT",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true", **extra)
     return env
 
 
-def run(module: str, *overrides: str, log_dir: Path, timeout: int = 240, check: bool = True,
-        env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    module: str,
+    *overrides: str,
+    log_dir: Path,
+    timeout: int = 240,
+    check: bool = True,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output."""
     cmd = [sys.executable, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env or clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=PROJECT_ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -54,7 +73,9 @@ def compose_cfg(tmp_path):
     def _compose(*overrides: str, config_name: str = "train"):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose(config_name, [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}", *overrides])
+            return compose(
+                config_name, [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}", *overrides]
+            )
 
     yield _compose
     GlobalHydra.instance().clear()

@@ -14,8 +14,21 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
-GROUP_OPTIONS = [(g, o) for g in ("data", "model", "trainer", "strategy", "callbacks", "logger", "debug",
-                                  "experiment", "hparams_search") for o in options(g)]
+GROUP_OPTIONS = [
+    (g, o)
+    for g in (
+        "data",
+        "model",
+        "trainer",
+        "strategy",
+        "callbacks",
+        "logger",
+        "debug",
+        "experiment",
+        "hparams_search",
+    )
+    for o in options(g)
+]
 
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
@@ -32,8 +45,13 @@ def test_option_composes_and_instantiates(compose_cfg, group, option, monkeypatc
     assert len(callbacks) == len([c for c in (cfg.get("callbacks") or {}).values() if "_target_" in c])
     if group == "logger":
         assert len(loggers) == (3 if option == "many" else 1)
-    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
-                          logger=loggers or False, devices=1)
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=callbacks,
+        logger=loggers or False,
+        devices=1,
+    )
     assert trainer.max_epochs == cfg.trainer.max_epochs
     assert datamodule.batch_size == cfg.data.batch_size
 

@@ -15,6 +15,7 @@ def main(cfg: DictConfig) -> float | None:
     import lightning as L
     from hydra.utils import instantiate
 
+    from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
@@ -42,7 +43,9 @@ def main(cfg: DictConfig) -> float | None:
 
     # 3. fit, then test the best checkpoint
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(
+            model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
+        )
     metrics = dict(trainer.callback_metrics)
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -51,8 +54,10 @@ def main(cfg: DictConfig) -> float | None:
 
     # 4. report: metrics.json in the run directory, a table, and the value a sweeper optimises
     write_metrics(metrics, cfg.paths.output_dir)
-    print_summary({k: float(v) for k, v in sorted(metrics.items()) if k.startswith(("val/", "test/"))},
-                  cfg.paths.output_dir)
+    print_summary(
+        {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(("val/", "test/"))},
+        cfg.paths.output_dir,
+    )
     value = metrics.get(cfg.get("optimized_metric"))
     return None if value is None else float(value)
 

@@ -10,8 +10,15 @@ from mlproject.data.base import DataModule
 
 
 class DigitsDataModule(DataModule):
-    def __init__(self, batch_size: int = 64, val_size: int = 200, test_size: int = 360, split_seed: int = 0,
-                 num_workers: int = 0, pin_memory: bool = False):
+    def __init__(
+        self,
+        batch_size: int = 64,
+        val_size: int = 200,
+        test_size: int = 360,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ):
         super().__init__(batch_size, num_workers, pin_memory)
         self.save_hyperparameters()
 

@@ -18,11 +18,13 @@ class ClassificationMetrics(nn.Module):
     def __init__(self, num_classes: int):
         super().__init__()
         kw = {"num_classes": num_classes, "ignore_index": IGNORE_INDEX}
-        self.scores = nn.ModuleDict({
-            "acc": MulticlassAccuracy(average="micro", **kw),
-            "f1": MulticlassF1Score(average="macro", **kw),
-            "auroc": MulticlassAUROC(**kw),
-        })
+        self.scores = nn.ModuleDict(
+            {
+                "acc": MulticlassAccuracy(average="micro", **kw),
+                "f1": MulticlassF1Score(average="macro", **kw),
+                "auroc": MulticlassAUROC(**kw),
+            }
+        )
         self.loss, self.samples = MeanMetric(), SumMetric()
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ def wandb_logger(offline: bool | None = None, **kwargs):
     if offline is None:
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not _wandb_credentials()
         if offline:
-            log.info("wandb: no credentials found (WANDB_API_KEY or ~/.netrc), logging offline; "
-                     "upload later with `wandb sync <run dir>/wandb/offline-run-*`")
+            log.info(
+                "wandb: no credentials found (WANDB_API_KEY or ~/.netrc), logging offline; "
+                "upload later with `wandb sync <run dir>/wandb/offline-run-*`"
+            )
     return WandbLogger(offline=offline, resume="allow", **kwargs)

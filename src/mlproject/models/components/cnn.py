@@ -12,8 +12,12 @@ class SmallCNN(nn.Module):
         super().__init__()
         c = channels
         self.features = nn.Sequential(
-            conv_bn(in_channels, c), conv_bn(c, c), nn.MaxPool2d(2),  # 8x8 -> 4x4
-            conv_bn(c, 2 * c), conv_bn(2 * c, 2 * c), nn.AdaptiveAvgPool2d(1),
+            conv_bn(in_channels, c),
+            conv_bn(c, c),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+            conv_bn(c, 2 * c),
+            conv_bn(2 * c, 2 * c),
+            nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * c, num_classes))
 
