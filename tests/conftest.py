@@ -51,9 +51,7 @@ def run(
         cmd, cwd=PROJECT_ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 
@@ -73,9 +71,7 @@ def compose_cfg(tmp_path):
     def _compose(*overrides: str, config_name: str = "train"):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose(
-                config_name, [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}", *overrides]
-            )
+            return compose(config_name, [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}", *overrides])
 
     yield _compose
     GlobalHydra.instance().clear()

@@ -150,8 +150,7 @@ def check_override_types(cfg: DictConfig) -> None:
         expected = (int, float) if isinstance(default, float) else type(default)
         if isinstance(given, bool) != isinstance(default, bool) or not isinstance(given, expected):
             raise ConfigError(
-                f"{o.key_or_group}={given!r} should be a {type(default).__name__} like the default "
-                f"{default!r}"
+                f"{o.key_or_group}={given!r} should be a {type(default).__name__} like the default {default!r}"
             )
 
 

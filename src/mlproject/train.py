@@ -34,18 +34,16 @@ def main(cfg: DictConfig) -> float | None:
         callbacks=instantiate_all(cfg.get("callbacks")),
         logger=instantiate_all(cfg.get("logger")) or False,
     )
+    world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
     log.info(
-        f"effective batch size {cfg.data.batch_size} = {cfg.data.batch_size // (trainer.world_size * trainer.accumulate_grad_batches)} "
-        f"per device x {trainer.world_size} device(s) x {trainer.accumulate_grad_batches} accumulation step(s); "
-        f"precision {trainer.precision}"
+        f"effective batch size {cfg.data.batch_size} = {datamodule.per_device_batch_size_for(world, accumulate)} "
+        f"per device x {world} device(s) x {accumulate} accumulation step(s); precision {trainer.precision}"
     )
     log_hyperparameters(cfg, model, trainer)
 
     # 3. fit, then test the best checkpoint
     if cfg.train:
-        trainer.fit(
-            model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
-        )
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir))
     metrics = dict(trainer.callback_metrics)
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""

@@ -69,10 +69,13 @@ class DataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
 
+    def per_device_batch_size_for(self, world: int, accumulate: int = 1) -> int:
+        return per_device_batch_size(self.batch_size, world, accumulate)
+
     @property
     def per_device_batch_size(self) -> int:
         accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
-        return per_device_batch_size(self.batch_size, self._world()[0], accumulate)
+        return self.per_device_batch_size_for(self._world()[0], accumulate)
 
     def _loader(self, dataset: Dataset, sampler, drop_last: bool) -> DataLoader:
         return DataLoader(

@@ -40,9 +40,7 @@ class Classifier(L.LightningModule):
         x, y, _ = batch
         metrics.update(self(x), y)
         for name, metric in metrics.items().items():
-            self.log(
-                f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in ("acc", "loss")
-            )
+            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in ("acc", "loss"))
 
     def validation_step(self, batch, batch_idx):
         self._evaluate(batch, "val", self.val_metrics)
