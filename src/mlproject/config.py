@@ -200,3 +200,16 @@ def preflight(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
+
+
+def check_monitors(callbacks: list, model) -> None:
+    """A checkpoint or early-stopping monitor must be equal on every rank, or ranks decide differently
+    (one saves, one does not) and the job hangs in the next collective."""
+    synced = getattr(model, "synced_metrics", None)
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if monitor and synced is not None and monitor not in synced:
+            raise ConfigError(
+                f"{type(callback).__name__} monitors '{monitor}', which is not synced across ranks; "
+                f"use one of: {', '.join(sorted(synced))}"
+            )
