@@ -3,6 +3,7 @@ split size (dividing, odd, smaller than the world) — and every rank holds the 
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torchmetrics.functional.classification import multiclass_accuracy, multiclass_auroc, multiclass_f1_score
 
 from mlproject.data.digits import DigitsDataModule
-from tests.conftest import launch
+from tests.conftest import launch, read_metrics, run, run_dirs
 from tests.distributed import eval_worker
 
 WORKER = Path(eval_worker.__file__)
@@ -59,3 +60,35 @@ def test_metrics_equal_single_process_reference(world, tmp_path):
             got.pop("auroc")
         assert got == pytest.approx(want, abs=1e-6), f"{stage} split of {len(dataset)} samples"
         assert got["samples"] == len(dataset)
+
+
+@pytest.mark.slow
+def test_eval_one_vs_two_processes_and_predictions(trained_run, tmp_path):
+    """`mlproject.eval` on one checkpoint: 1 process and ddp x 2 write the same metrics.json, and the
+    predictions file holds each test sample once, in order, agreeing with test/acc."""
+    ckpt = f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}"
+    run("eval", ckpt, "extras.print_config=false", "trainer.devices=1", log_dir=tmp_path / "one")
+    run(
+        "eval",
+        ckpt,
+        "extras.print_config=false",
+        "strategy=ddp",
+        "trainer=cpu",
+        "trainer.devices=2",
+        "predict=true",
+        log_dir=tmp_path / "two",
+    )
+    (one,), (two,) = run_dirs(tmp_path / "one", "eval"), run_dirs(tmp_path / "two", "eval")
+    m1, m2 = read_metrics(one), read_metrics(two)
+    # acc, f1, auroc and samples are bitwise equal; the loss sums floats in another order (float64
+    # accumulation keeps the difference ~1e-9)
+    assert {k: v for k, v in m1.items() if k != "test/loss"} == {k: v for k, v in m2.items() if k != "test/loss"}
+    assert m1["test/loss"] == pytest.approx(m2["test/loss"], rel=1e-7)
+
+    rows = list(csv.DictReader((two / "predictions.csv").open()))
+    assert [int(r["id"]) for r in rows] == list(range(360))
+    dm = DigitsDataModule()  # the default split that eval used
+    dm.setup()
+    assert [int(r["label"]) for r in rows] == [int(y) for _, y in dm.test_set]
+    acc = sum(r["label"] == r["pred"] for r in rows) / len(rows)
+    assert acc == pytest.approx(m2["test/acc"], abs=1e-6)
