@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.config import data_parallel_size, hydra_entry, preflight
+from mlproject.config import check_monitors, data_parallel_size, hydra_entry, preflight
 
 
 @hydra_entry("train")
@@ -28,10 +28,12 @@ def main(cfg: DictConfig) -> float | None:
     # 2. build: data, model, callbacks, loggers, trainer
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    callbacks = instantiate_all(cfg.get("callbacks"))
+    check_monitors(callbacks, model)
     trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
-        callbacks=instantiate_all(cfg.get("callbacks")),
+        callbacks=callbacks,
         logger=instantiate_all(cfg.get("logger")) or False,
     )
     world, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
