@@ -200,7 +200,7 @@ def preflight(cfg: DictConfig) -> None:
             f"trainer.precision={precision} needs a CUDA GPU (on CPU Lightning would silently use bf16); "
             "use trainer.precision=32-true or bf16-mixed"
         )
-    from mlproject.distributed.parallel import check as check_model_parallel
+    from mlproject.distributed.strategies import check_model_parallel
 
     check_model_parallel(cfg)
     if "data" in cfg and "batch_size" in cfg.data:

@@ -12,10 +12,7 @@ from __future__ import annotations
 import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import ModelParallelStrategy
-from omegaconf import DictConfig
 from torch import nn
-
-from mlproject.config import ConfigError, world_size
 
 
 class ModelParallel(ModelParallelStrategy):
@@ -125,35 +122,3 @@ def local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
-
-
-def check(cfg: DictConfig) -> None:
-    """Preflight for strategy=fsdp|tp|fsdp_tp: settings that cannot work, refused before any process starts."""
-    strategy = cfg.get("strategy") or {}
-    if not str(strategy.get("_target_", "")).endswith("model_parallel"):
-        return
-    name = (
-        "fsdp" if strategy.get("tensor_parallel_size", 1) == 1 else "tp" if strategy.get("fsdp") is None else "fsdp_tp"
-    )
-    model_cls = get_class(cfg.model._target_)
-    from lightning.pytorch import LightningModule
-
-    if model_cls.configure_model is LightningModule.configure_model:
-        raise ConfigError(
-            f"strategy={name} needs a model whose configure_model shards it (e.g. model=gpt); "
-            f"{model_cls.__name__} has none; use strategy=ddp"
-        )
-    world, tp = world_size(cfg), int(strategy.tensor_parallel_size)
-    if tp < 1 or world % tp:
-        raise ConfigError(
-            f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
-            "(trainer.devices x trainer.num_nodes); change one of them"
-        )
-    if strategy.get("fsdp") is None and tp != world:
-        raise ConfigError(
-            f"strategy=tp puts all {world} process(es) in one tensor-parallel group but "
-            f"strategy.tensor_parallel_size={tp}; set it to {world}, or use strategy=fsdp_tp to add data parallelism"
-        )
-    heads = cfg.model.get("net", {}).get("n_head")
-    if heads is not None and heads % tp:
-        raise ConfigError(f"model.net.n_head={heads} must divide by strategy.tensor_parallel_size={tp}")

@@ -24,6 +24,11 @@ class GPTModule(L.LightningModule):
         self.val_metrics = LanguageModelMetrics(net["vocab_size"])
         self.test_metrics = LanguageModelMetrics(net["vocab_size"])
 
+    @property
+    def synced_metrics(self) -> set[str]:
+        """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
+        return {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
+
     def configure_model(self):
         parallelize(self, self.net, **self.hparams.parallel)
 
