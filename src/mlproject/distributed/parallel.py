@@ -65,11 +65,11 @@ def apply_fsdp(
     """Shard every block on its own (its parameters are gathered only while it runs), then the rest."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    dtype = lambda name: getattr(torch, name) if name else None  # noqa: E731
+    param_dtype, reduce_dtype = (getattr(torch, name) if name else None for name in (param_dtype, reduce_dtype))
     kwargs = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype(param_dtype), reduce_dtype=dtype(reduce_dtype)),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     for block in blocks_of(model, blocks):
@@ -113,7 +113,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     norms = [torch.linalg.vector_norm(p.grad) for p in params]
     norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     total = torch.linalg.vector_norm(torch.stack(norms))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach: one tensor type
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach needs one tensor type
     return total
 
 
