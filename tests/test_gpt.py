@@ -13,6 +13,15 @@ from mlproject.distributed.strategies import check_model_parallel
 from mlproject.models.components.gpt import GPT
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tensors this small gain nothing from threads, which only wait on each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(vocab_size=VOCAB_SIZE, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -61,14 +61,17 @@ ZERO_GRADIENT = "attn.k.bias"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    """name -> {losses, params, metrics, footprint (bytes per rank)}; the runs start together to fill the CPUs."""
+    """name -> {losses, params, metrics, footprint (bytes per rank)}.
+
+    The runs start together, one thread per process, to fill the CPUs without oversubscribing them.
+    """
     procs = {}
     for name, overrides in STRATEGIES.items():
         log_dir = tmp_path_factory.mktemp(name)
         cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *TINY, *overrides]
         cmd.append(f"+callbacks.recorder.path={log_dir / 'record.pt'}")
         popen = subprocess.Popen(
-            cmd, cwd=PROJECT_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            cmd, cwd=PROJECT_ROOT, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         procs[name] = (popen, log_dir)
     out = {}
