@@ -52,8 +52,8 @@ STRATEGIES = {
         "strategy.fsdp.reshard_after_forward=false",
     ],
 }
-LOSS_RTOL = 1e-6  # fp32; the order of additions differs between strategies (all-reduce, sharded matmuls)
-PARAM_ATOL = 2e-6  # after 6 AdamW steps of lr 0.01 (weights move by ~0.05; measured differences < 1e-6)
+LOSS_RTOL = 2e-6  # fp32; the order of additions differs between strategies (measured <= 3e-7)
+PARAM_ATOL = 5e-6  # after 6 AdamW steps of lr 0.01 the weights moved ~0.05 (measured differences <= 1.1e-6)
 # The key bias cannot change attention (softmax ignores a shift shared by all keys): its gradient is zero
 # up to rounding, which Adam scales up to steps of ~1e-5, different on every strategy. It must stay ~0.
 ZERO_GRADIENT = "attn.k.bias"
