@@ -7,6 +7,7 @@ All runs use one config, so one local 2-process run is the reference for every j
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -28,10 +29,10 @@ BASE = [
     "trainer=cpu",
     "strategy=ddp",
     "model.net.dropout=0",
-    "trainer.max_epochs=30",
+    "trainer.max_epochs=20",
     "+trainer.limit_train_batches=1",
     "+trainer.limit_val_batches=1",
-    "+trainer.limit_test_batches=2",
+    "+trainer.limit_test_batches=1",
 ]
 CPU_NODE = ["cluster.gpus_per_node=0", "cluster.cpus_per_task=1", "cluster.time_min=10"]
 
@@ -43,13 +44,29 @@ def submit(slurm, log_dir: Path, *overrides: str) -> str:
     return proc.stdout.split()[3]  # "submitted SLURM job <id>"
 
 
-def preempt(slurm, log_dir: Path, job: str) -> str:
-    """Signal the job as SLURM does before a time limit, once it has trained (its handler is set), then let
-    the requeued job start at once instead of after its ~120 s BeginTime."""
-    first_ckpt = log_dir / "train" / "runs" / job / "checkpoints" / "last.ckpt"
+def catches_usr1(pid: str) -> bool:
+    """Whether the process has a SIGUSR1 handler: the Requeue callback's, set when training starts."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(status.split("SigCgt:")[1].split()[0], 16)
+    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
+
+
+def preempt(slurm, job: str) -> str:
+    """Signal the job as SLURM does before a time limit, as soon as both tasks handle the signal (the two
+    "nodes" run on this host, so their PIDs are visible), then let the requeued job start at once instead
+    of after its ~120 s BeginTime."""
     deadline = time.monotonic() + 200
-    while not first_ckpt.exists():
-        assert time.monotonic() < deadline and slurm.state(job) in ("PENDING", "RUNNING"), slurm.state(job)
+    while True:
+        state = slurm.state(job)
+        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), state
+        if state == "RUNNING":
+            node = slurm.field(job, "BatchHost")  # listpids asks one slurmd: the one running the tasks
+            rows = [r.split() for r in slurm.cmd("scontrol", "listpids", job, node, check=False).splitlines()[1:]]
+            if sum(catches_usr1(row[0]) for row in rows if row[2] == "0") == 2:  # step 0: the srun tasks
+                break
         time.sleep(0.1)
     slurm.cmd("scancel", "--signal=USR1", job)
     return slurm.wait(job, requeue_now=True)
@@ -88,9 +105,10 @@ def jobs(slurm, tmp_path_factory):
             "two_nodes": submit(slurm, logs["two_nodes"], "cluster.nodes=2", "cluster.tasks_per_node=1"),
             "preempted": submit(slurm, logs["preempted"], "cluster.tasks_per_node=2"),
         }
-        preempted = pool.submit(preempt, slurm, logs["preempted"], ids["preempted"])
+        preempted = pool.submit(preempt, slurm, ids["preempted"])
         states = {k: slurm.wait(j) for k, j in ids.items() if k != "preempted"}
         states["preempted"] = preempted.result()
+        print({k: (slurm.field(j, "StartTime"), slurm.field(j, "EndTime")) for k, j in ids.items()}, time.strftime("%T"))
         local.result()
         sweep_proc = sweeping.result()
     (reference,) = run_dirs(logs["local"])
@@ -129,7 +147,7 @@ def test_sweep_one_job_per_trial(jobs):
     assert len(job_ids) == 1 or len(job_ids) == 2  # one array job; its tasks are the two trials
     lrs = set()
     for trial in trials:
-        assert read_metrics(trial)["test/samples"] == 360
+        assert read_metrics(trial)["test/samples"] == 64
         lrs.add((trial / ".hydra" / "overrides.yaml").read_text().split("model.optimizer.lr=")[1].split()[0])
     assert lrs == {"0.01", "0.02"}
 
