@@ -51,6 +51,13 @@ format: install ## ruff auto-fix and format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+.PHONY: submit submit-dryrun
+submit: install ## submit training to SLURM: make submit ARGS="cluster.nodes=2 trainer=gpu strategy=ddp" (see README)
+	$(PY) -m mlproject.submit $(OVERRIDES)
+
+submit-dryrun: install ## print the sbatch script `make submit` would submit, without submitting
+	$(PY) -m mlproject.submit --dry-run $(OVERRIDES)
+
 clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info
 	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +

@@ -36,7 +36,8 @@ def install_reason() -> str | None:
     allowed = os.environ.get("MLPROJECT_SLURM_INSTALL", "1" if os.environ.get("CI") else "0") == "1"
     if not (allowed and os.geteuid() == 0 and shutil.which("apt-get")):
         return (
-            "SLURM is not installed: apt-get install -y --no-install-recommends " + " ".join(PACKAGES)
+            "SLURM is not installed: apt-get install -y --no-install-recommends "
+            + " ".join(PACKAGES)
             + " (as root, or set MLPROJECT_SLURM_INSTALL=1 to let the tests install it)"
         )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -84,7 +85,7 @@ class Slurm:
         raise AssertionError(f"job {job} still {self.state(job)} after {timeout} s")
 
 
-def write_conf(root: Path, user: str) -> Path:
+def write_conf(root: Path) -> Path:
     nodes = "\n".join(
         f"NodeName=n{i} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} CPUs={CPUS} State=UNKNOWN"
         for i in (1, 2)
@@ -94,7 +95,7 @@ def write_conf(root: Path, user: str) -> Path:
         f"""ClusterName=mlproject-test
 SlurmctldHost=localhost
 SlurmctldPort={free_port()}
-SlurmUser={user}
+SlurmUser=root
 SlurmdUser=root
 SlurmdParameters=config_overrides
 AuthInfo=socket={root}/munge/munge.sock
@@ -122,32 +123,35 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 
 @pytest.fixture(scope="session")
 def slurm() -> Slurm:
-    reason = install_reason()
+    reason = install_reason() or (None if os.geteuid() == 0 else "starting slurmd and munged needs root")
     if reason:
         pytest.skip(reason)
     # Not under pytest's tmp dir: that one is private to root, and munged runs as the munge user.
     root = Path(tempfile.mkdtemp(prefix="mlproject-slurm-"))
     root.chmod(0o755)
-    user = "root" if os.geteuid() == 0 else os.environ.get("USER", "root")
-    conf = write_conf(root, user)
+    conf = write_conf(root)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs: list[subprocess.Popen] = []
-    logs = []
 
-    def start(*cmd: str, **kw) -> None:
-        log = open(root / f"{Path(cmd[0]).name}-{len(procs)}.out", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, **kw))
+    def start(*cmd: str, **kw) -> None:  # each daemon logs to its own file in root (see slurm.conf)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, **kw))
 
     try:
         munge_dir = root / "munge"
         munge_dir.mkdir(mode=0o755)
         shutil.chown(munge_dir, "munge", "munge")
         start(
-            "munged", "--foreground", f"--socket={munge_dir}/munge.sock", f"--pid-file={munge_dir}/munged.pid",
-            f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/munged.seed", user="munge", group="munge",
+            "munged",
+            "--foreground",
+            f"--socket={munge_dir}/munge.sock",
+            f"--pid-file={munge_dir}/munged.pid",
+            f"--log-file={munge_dir}/munged.log",
+            f"--seed-file={munge_dir}/munged.seed",
+            user="munge",
+            group="munge",
         )
-        time.sleep(1)
+        while not (munge_dir / "munge.sock").exists() and procs[0].poll() is None:
+            time.sleep(0.1)
         start("slurmctld", "-D", "-i", "-f", str(conf))
         for node in ("n1", "n2"):
             start("slurmd", "-D", "-N", node, "-f", str(conf))
@@ -167,6 +171,4 @@ def slurm() -> Slurm:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        for log in logs:
-            log.close()
         shutil.rmtree(root, ignore_errors=True)
