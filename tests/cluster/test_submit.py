@@ -29,6 +29,7 @@ def test_dry_run_four_nodes_of_eight_gpus(capsys, compose_cfg, no_sbatch):
     header = {line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")}
     assert {"--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@120", "--requeue"} <= header
     assert all(line in script.splitlines() for line in RENDEZVOUS)
+    assert "# trainer.num_nodes=4 trainer.devices=8: 32 processes" in script
     # The job runs train with these overrides in every task; composed as it will, the Trainer agrees with the header.
     srun = shlex.split(script.splitlines()[-1])
     assert srun[:2] == ["srun", "--kill-on-bad-exit=1"]

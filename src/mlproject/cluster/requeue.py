@@ -41,6 +41,7 @@ class Requeue(L.Callback):
         self.requested = True
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        # Any rank's signal counts; a one-element all-reduce per step, small next to the gradients' own.
         if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
             return
         path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"

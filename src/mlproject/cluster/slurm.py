@@ -8,7 +8,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from mlproject.config import ConfigError, world_size
+from mlproject.config import ConfigError, per_device_batch_size, world_size
 
 # srun starts every process; the rendezvous address is the first node's address as SLURM knows it
 # (its NodeAddr, which resolves even where node names do not), the port is derived from the job id.
@@ -58,8 +58,6 @@ def check_in_job(cfg: DictConfig) -> None:
 
 def check_before_submit(cfg: DictConfig) -> None:
     """What preflight would refuse in the job, minus what only the compute nodes can tell (their GPUs)."""
-    from mlproject.config import per_device_batch_size
-
     if (cfg.get("cluster") or {}).get("scheduler") != "slurm":
         raise ConfigError("mlproject.submit needs a SLURM cluster config; use cluster=slurm (the default of submit)")
     check(cfg)
@@ -104,6 +102,7 @@ def sbatch_script(cfg: DictConfig, overrides: list[str], workdir: str, output: s
         [
             "#!/bin/bash",
             *header,
+            f"# trainer.num_nodes={cfg.trainer.num_nodes} trainer.devices={cfg.trainer.devices}: {world_size(cfg)} processes",
             "set -eo pipefail",
             *([c.setup] if c.setup else []),
             *RENDEZVOUS,
