@@ -98,11 +98,12 @@ def sbatch_script(cfg: DictConfig, overrides: list[str], workdir: str, output: s
     if not any(o.startswith("ckpt_path=") for o in overrides):
         overrides = [*overrides, "ckpt_path=auto"]
     train = [c.python or sys.executable, "-m", "mlproject.train", *overrides]
+    t = cfg.trainer
     return "\n".join(
         [
             "#!/bin/bash",
             *header,
-            f"# trainer.num_nodes={cfg.trainer.num_nodes} trainer.devices={cfg.trainer.devices}: {world_size(cfg)} processes",
+            f"# trainer.num_nodes={t.num_nodes} trainer.devices={t.devices}: {world_size(cfg)} processes",
             "set -eo pipefail",
             *([c.setup] if c.setup else []),
             *RENDEZVOUS,
