@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from mlproject.cluster.slurm import check_before_submit, sbatch_script
 from mlproject.config import CONFIG_DIR, ConfigError, one_line
@@ -30,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         check_before_submit(cfg)
         slurm_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
         script = sbatch_script(cfg, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
-    except Exception as exc:  # Hydra, OmegaConf and our ConfigError: one line, exit 2, as in train
-        if not isinstance(exc, ConfigError) and type(exc).__module__.split(".")[0] not in ("hydra", "omegaconf"):
-            raise
+    except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # one line and exit 2, as in train
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     if dry_run:
@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     slurm_dir.mkdir(parents=True, exist_ok=True)
     # The job's run_id must be its SLURM_JOB_ID; an id exported in this shell would override it.
     env = {k: v for k, v in os.environ.items() if k != "MLPROJECT_RUN_ID"}
-    job = subprocess.run(
-        ["sbatch", "--parsable"], input=script, text=True, capture_output=True, env=env, check=True
-    ).stdout.strip()
-    job = job.split(";")[0]
+    proc = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, env=env)
+    if proc.returncode != 0:
+        print(f"error: sbatch refused the job: {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    job = proc.stdout.strip().split(";")[0]  # "<job id>[;<cluster>]"
     run_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "runs" / job
     print(f"submitted SLURM job {job}\n  log: {slurm_dir / (job + '.out')}\n  run directory: {run_dir}")
     return 0

@@ -25,6 +25,8 @@ log = get_logger(__name__)
 
 
 class Requeue(L.Callback):
+    """On `signum` (SLURM's warning before a time limit or preemption): checkpoint, requeue, exit."""
+
     def __init__(self, signum: int = signal.SIGUSR1):
         self.signum = signum
         self.requested = False
@@ -44,7 +46,7 @@ class Requeue(L.Callback):
         # Any rank's signal counts; a one-element all-reduce per step, small next to the gradients' own.
         if not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
             return
-        path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+        path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"  # where ckpt_path=auto looks
         trainer.save_checkpoint(path)
         job = os.environ["SLURM_JOB_ID"]
         if trainer.is_global_zero:
