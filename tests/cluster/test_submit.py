@@ -50,6 +50,7 @@ def test_dry_run_four_nodes_of_eight_gpus(capsys, compose_cfg, no_sbatch):
         ("trainer=cpu", "use trainer=gpu"),
         ("strategy=single", "use strategy=ddp"),
         ("data.batch_size=100", "must divide by world size 32"),
+        ("cluster.nodes=two", "cluster.nodes='two' should be a whole number >= 1"),
     ],
 )
 def test_mismatch_is_refused_before_submission(capsys, no_sbatch, override, message):

@@ -24,6 +24,10 @@ def check(cfg: DictConfig) -> None:
     c = cfg.get("cluster") or {}
     if c.get("scheduler") != "slurm":
         return
+    for key in ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time_min", "signal_seconds"):
+        least = 0 if key == "gpus_per_node" else 1
+        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < least:
+            raise ConfigError(f"cluster.{key}={c[key]!r} should be a whole number >= {least}")
     t = cfg.trainer
     if t.num_nodes != c.nodes:
         raise ConfigError(
