@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,15 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "munged"]
 CPUS = 8  # per node, as SLURM counts them (config_overrides): room for every test job at once
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def install_reason() -> str | None:
