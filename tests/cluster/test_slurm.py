@@ -7,6 +7,7 @@ All runs use one config, so one local 2-process run is the reference for every j
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -148,8 +149,12 @@ def test_sweep_one_job_per_trial(jobs):
     trials = sorted(p for p in sweep.iterdir() if p.name.isdigit())
     assert [t.name for t in trials] == ["0", "1"]
     # submitit submits a job array; each array task (<array id>_<n>) is its own SLURM job, one per trial
-    array_tasks = sorted(p.name.split("_")[1] for p in (sweep / ".submitit").iterdir() if "_" in p.name)
-    assert array_tasks == ["0", "1"]
+    array_tasks = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    assert [t.split("_")[1] for t in array_tasks] == ["0", "1"], array_tasks
+    # The launcher's sbatch header comes from the cluster config, and asks for our signal, not submitit's.
+    (script,) = {p.read_text() for p in (sweep / ".submitit").rglob("*_submission.sh")}
+    for line in ("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10", "--signal=USR1@120", "--requeue"):
+        assert f"#SBATCH {line}\n" in script, line
     lrs = set()
     for trial in trials:
         assert read_metrics(trial)["test/samples"] == 64  # limit_test_batches=1 of 64
