@@ -153,7 +153,8 @@ def test_sweep_one_job_per_trial(jobs):
     assert [t.split("_")[1] for t in array_tasks] == ["0", "1"], array_tasks
     # The launcher's sbatch header comes from the cluster config, and asks for our signal, not submitit's.
     (script,) = {p.read_text() for p in (sweep / ".submitit").rglob("*_submission.sh")}
-    for line in ("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10", "--signal=USR1@120", "--requeue"):
+    expected = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10", "--signal=USR1@120", "--requeue"]
+    for line in expected:
         assert f"#SBATCH {line}\n" in script, line
     lrs = set()
     for trial in trials:
