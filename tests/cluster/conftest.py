@@ -159,6 +159,13 @@ def slurm() -> Slurm:
             time.sleep(0.5)
         yield cluster
     finally:
+        # End the jobs first: a job step whose slurmd is gone lingers (slurmstepd, srun) after the test.
+        cluster = Slurm(root, env)
+        if len(procs) == 4 and all(p.poll() is None for p in procs):
+            cluster.cmd("scancel", "--partition=debug", check=False)
+            deadline = time.monotonic() + 30
+            while cluster.cmd("squeue", "-h", check=False) and time.monotonic() < deadline:
+                time.sleep(0.5)
         for p in reversed(procs):
             p.terminate()
         for p in reversed(procs):
