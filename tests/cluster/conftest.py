@@ -61,8 +61,7 @@ class Slurm:
 
     def state(self, job: str) -> str:
         """PENDING, RUNNING, COMPLETED, FAILED, ... (no accounting database: from scontrol)."""
-        out = self.cmd("scontrol", "show", "job", job, "-o")
-        return out.split("JobState=")[1].split()[0]
+        return self.field(job, "JobState")
 
     def field(self, job: str, name: str) -> str:
         return self.cmd("scontrol", "show", "job", job, "-o").split(f"{name}=")[1].split()[0]
