@@ -51,6 +51,11 @@ format: install ## ruff auto-fix and format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+.PHONY: rename
+rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=digits] (see README)
+	@test -n "$(NAME)" || { echo "error: give the package name, e.g. make rename NAME=my_project" >&2; exit 2; }
+	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES))
+
 clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info
 	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
