@@ -51,6 +51,9 @@ EXAMPLES = {
             "configs/model/digits.yaml",
             "configs/experiment/digits*.yaml",
             "tests/**/test_*digits*.py",
+            "tests/test_train.py",  # the shipped default run: >= 95% on digits
+            "tests/distributed/test_exact_eval.py",  # exact evaluation, proven on digits splits
+            "tests/distributed/eval_worker.py",
             "notebooks/*digits*",
         ),
         defaults={"data": "digits", "model": "digits"},
@@ -64,6 +67,8 @@ EXAMPLES = {
             "configs/model/gpt*.yaml",
             "configs/experiment/gpt*.yaml",
             "tests/**/test_*gpt*.py",
+            "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
+            "tests/distributed/recorder.py",
             "notebooks/*gpt*",
         ),
         defaults={"data": "text", "model": "gpt"},

@@ -270,5 +270,7 @@ def test_dropping_an_example_leaves_no_reference_to_it(tmp_path, dropped):
         text = data.decode(errors="replace")
         refs += [f"{rel}: {m}" for m in gone if re.search(rf"\b{re.escape(m)}\b", text)]
         refs += [f"{rel}: {g}: {o}" for g, o in configs if re.search(rf"^\s*-?\s*(override /)?{g}: {o}\b", text, re.M)]
+        if rel.endswith(".py"):  # overrides in tests, e.g. compose_cfg("model=gpt")
+            refs += [f"{rel}: {g}={o}" for g, o in configs if re.search(rf"\b{g}={o}\b", text)]
     assert not refs, refs
     assert all(not p.exists() for p in files)
