@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import keyword
 import os
 import re
 import shutil
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--license", default="", help="pyproject.toml's licence, e.g. MIT")
     args = parser.parse_args(argv)
     root, new = args.root.resolve(), args.name
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", new):
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", new) or keyword.iskeyword(new):
         fail(f"{new!r} is not a lower-case Python identifier (letters, digits, _), e.g. my_project")
     if not (root / "src").is_dir():
         fail(f"{root} has no src/ folder; run this from the project root or pass --root")
