@@ -63,3 +63,19 @@ def test_make_help_lists_targets():
     out = subprocess.run(["make", "help"], capture_output=True, text=True, check=True).stdout
     listed = {line.split()[0] for line in re.sub(r"\x1b\[[0-9;]*m", "", out).splitlines() if line.strip()}
     assert {"install", "train", "eval", "test", "lint", "format", "clean"} <= listed
+
+
+@pytest.mark.slow
+def test_all_loggers_write_into_the_run_directory(tmp_path):
+    """logger=many: csv, tensorboard and wandb (offline without credentials, and it says so)."""
+    proc = run(
+        "train", "extras.print_config=false", "logger=many", "debug=limit", "trainer.max_epochs=1", log_dir=tmp_path
+    )
+    (run_dir,) = run_dirs(tmp_path, "debug")
+    assert "logging offline" in proc.stdout + proc.stderr
+    header = (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"val/acc", "val/loss", "test/acc", "train/acc"} <= set(header)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert read_metrics(run_dir)["test/samples"] == 2 * 64  # limit_test_batches=2
+    assert "epoch 0/0 step 5" in proc.stdout  # plain progress line when output is not a terminal

@@ -178,7 +178,10 @@ def preflight(cfg: DictConfig) -> None:
     """Every impossible setting, caught before anything is built, with the fix in one line."""
     import torch
 
+    from mlproject.cluster.slurm import check_in_job
+
     check_override_types(cfg)
+    check_in_job(cfg)
     accelerator, world = cfg.trainer.accelerator, world_size(cfg)
     if accelerator in ("gpu", "cuda"):
         if not torch.cuda.is_available():
