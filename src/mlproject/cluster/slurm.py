@@ -8,7 +8,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from mlproject.config import ConfigError, per_device_batch_size, world_size
+from mlproject.config import ConfigError, data_parallel_size, per_device_batch_size, world_size
 
 # srun starts every process; the rendezvous address is the first node's address as SLURM knows it
 # (its NodeAddr, which resolves even where node names do not), the port is derived from the job id.
@@ -69,7 +69,8 @@ def check_before_submit(cfg: DictConfig) -> None:
     if cfg.strategy.get("_target_", "").endswith(".single") and world > 1:
         raise ConfigError(f"strategy=single runs one process but the job has {world}; use strategy=ddp")
     if "batch_size" in cfg.get("data", {}):
-        per_device_batch_size(cfg.data.batch_size, world, cfg.trainer.get("accumulate_grad_batches", 1))
+        accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+        per_device_batch_size(cfg.data.batch_size, data_parallel_size(cfg), accumulate)  # TP groups share a batch
 
 
 def sbatch_script(cfg: DictConfig, overrides: list[str], workdir: str, output: str) -> str:
