@@ -15,7 +15,9 @@ def main(cfg: DictConfig) -> float | None:
     import lightning as L
     from hydra.utils import instantiate
 
+    from mlproject.checkpoint.io import PortableCheckpointIO
     from mlproject.checkpoint.resume import resolve_ckpt_path
+    from mlproject.checkpoint.state import RunState
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
@@ -31,8 +33,9 @@ def main(cfg: DictConfig) -> float | None:
     trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
-        callbacks=instantiate_all(cfg.get("callbacks")),
+        callbacks=[*instantiate_all(cfg.get("callbacks")), RunState(cfg)],  # + RNG states and config in checkpoints
         logger=instantiate_all(cfg.get("logger")) or False,
+        plugins=[PortableCheckpointIO()],  # resume from a checkpoint of any strategy and world size
     )
     world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
     log.info(

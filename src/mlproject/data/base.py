@@ -12,6 +12,7 @@ import os
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mlproject.config import IGNORE_INDEX, per_device_batch_size
 
@@ -55,6 +56,14 @@ class EvalSampler(DistributedSampler):
         return self.num_samples
 
 
+class TrainSampler(DistributedSampler):
+    """torch's DistributedSampler, but the epoch's order is drawn at the first batch, not when the iterator
+    is made: a resumed run makes its iterator before Lightning sets the epoch it resumes in."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
 class DataModule(L.LightningDataModule):
     """Base datamodule. `batch_size` is global: each device gets batch_size / (world x accumulation)."""
 
@@ -77,8 +86,8 @@ class DataModule(L.LightningDataModule):
         accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
         return self.per_device_batch_size_for(self._world()[0], accumulate)
 
-    def _loader(self, dataset: Dataset, sampler, drop_last: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: Dataset, sampler, drop_last: bool, loader=DataLoader, **kwargs) -> DataLoader:
+        return loader(
             Indexed(dataset),
             batch_size=self.per_device_batch_size,
             sampler=sampler,
@@ -86,6 +95,7 @@ class DataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            **kwargs,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -94,8 +104,12 @@ class DataModule(L.LightningDataModule):
         # the incomplete tail keeps every rank's micro-batch the same size.
         world, rank = self._world()
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        sampler = DistributedSampler(self.train_set, world, rank, shuffle=True, seed=seed, drop_last=True)
-        return self._loader(self.train_set, sampler, drop_last=True)
+        sampler = TrainSampler(self.train_set, world, rank, shuffle=True, seed=seed, drop_last=True)
+        # A StatefulDataLoader: Lightning saves its position in each checkpoint, so a run stopped mid-epoch
+        # resumes with exactly the next batch. Its own generator keeps the creation of each epoch's iterator
+        # off the global RNG, whose state checkpoint/state.py saves and restores.
+        generator = torch.Generator().manual_seed(seed + rank)
+        return self._loader(self.train_set, sampler, True, StatefulDataLoader, generator=generator)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, EvalSampler(self.val_set, *self._world()), drop_last=False)

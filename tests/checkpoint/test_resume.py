@@ -1,0 +1,61 @@
+"""A killed run resumed with ckpt_path=auto ends bitwise equal to a straight run (CPU, fp32, same config)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.checkpoint.helpers import (
+    STEPS_PER_EPOCH,
+    assert_bitwise,
+    epoch_metrics,
+    kill_at,
+    run_dir,
+    strategy,
+    train,
+    weights,
+)
+
+EVERY_7_STEPS = ["callbacks.model_checkpoint.every_n_train_steps=7"]
+TIMEOUT = 30  # strategy.timeout (seconds) for the fault test
+
+
+def straight_vs_interrupted(tmp_path, setup: list[str], kill_rank: int | None) -> None:
+    """One straight run; one killed after its epoch-2 checkpoint; one killed mid-epoch 3 with a checkpoint
+    every 7 steps. Both interrupted runs resume with ckpt_path=auto under the same run_id."""
+    train(tmp_path, "straight", *setup)
+    straight = run_dir(tmp_path, "straight")
+
+    # killed when epoch 3 starts, i.e. after the epoch-2 checkpoint (epochs count from 0 in the logs)
+    start = time.monotonic()
+    proc = train(tmp_path, "epoch", *setup, "ckpt_path=auto", *kill_at(2 * STEPS_PER_EPOCH, kill_rank), check=False)
+    assert proc.returncode != 0, "the killed run should fail"
+    assert time.monotonic() - start < TIMEOUT + 60 + 60, "the surviving rank should not hang"
+    epoch = run_dir(tmp_path, "epoch")
+    assert weights(epoch / "checkpoints" / "last.ckpt")  # the last checkpoint is intact
+    train(tmp_path, "epoch", *setup, "ckpt_path=auto")
+    assert_bitwise(weights(straight / "checkpoints" / "last.ckpt"), weights(epoch / "checkpoints" / "last.ckpt"))
+    assert epoch_metrics(epoch) == epoch_metrics(straight)
+
+    # killed mid-epoch at step 47: the last checkpoint is from step 42, 5 steps into epoch 3
+    proc = train(tmp_path, "mid", *setup, *EVERY_7_STEPS, "ckpt_path=auto", *kill_at(47), check=False)
+    assert proc.returncode != 0
+    mid = run_dir(tmp_path, "mid")
+    train(tmp_path, "mid", *setup, *EVERY_7_STEPS, "ckpt_path=auto")
+    assert_bitwise(weights(straight / "checkpoints" / "last.ckpt"), weights(mid / "checkpoints" / "last.ckpt"))
+    assert epoch_metrics(mid) == epoch_metrics(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 5 (ddp: 10) processes one after another; slow on a loaded machine
+def test_single_resume_is_bitwise(tmp_path):
+    straight_vs_interrupted(tmp_path, strategy("single"), kill_rank=None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 5 (ddp: 10) processes one after another; slow on a loaded machine
+def test_ddp_resume_is_bitwise_after_one_rank_dies(tmp_path):
+    """ddp on 2 processes: the first interruption SIGKILLs rank 1 only; rank 0 must exit, not hang."""
+    setup = [*strategy("ddp", 2), f"strategy.timeout={TIMEOUT}"]
+    straight_vs_interrupted(tmp_path, setup, kill_rank=1)
