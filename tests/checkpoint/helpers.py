@@ -51,13 +51,13 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def epoch_metrics(run: Path) -> dict[int, dict[str, float]]:
+def epoch_metrics(run: Path, prefix: tuple[str, ...] | str = ("val/", "train/acc")) -> dict[int, dict[str, float]]:
     """Per-epoch values from csv/metrics.csv; a row logged again after a resume replaces the earlier one."""
     out: dict[int, dict[str, float]] = defaultdict(dict)
     with open(run / "csv" / "metrics.csv") as f:
         for row in csv.DictReader(f):
             if row.get("epoch"):
                 for key, value in row.items():
-                    if value and key.startswith(("val/", "train/acc")):
+                    if value and key.startswith(prefix):
                         out[int(row["epoch"])][key] = float(value)
     return dict(out)

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from weakref import proxy
 
+import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
@@ -38,6 +39,16 @@ class ModelCheckpoint(LightningModelCheckpoint):
     for sharded directories alike. Every rank writes (its shard); rank 0 renames after all have finished.
     Retention (last + top-k) is Lightning's, which removes files and directories through the strategy.
     """
+
+    def _monitor_candidates(self, trainer) -> dict[str, torch.Tensor]:
+        # Until the first validation of a run (fresh or resumed) the monitored metric is unknown and Lightning
+        # skips every step checkpoint, so a preemption loses the whole epoch. NaN ranks as the worst score:
+        # last.ckpt is written, and a top-k slot only while fewer than k exist. After a validation a missing
+        # metric is a typo, which Lightning reports.
+        candidates = super()._monitor_candidates(trainer)
+        if self.monitor and self.monitor not in candidates and not trainer.fit_loop.epoch_loop.val_loop._has_run:
+            candidates[self.monitor] = torch.tensor(float("nan"))
+        return candidates
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         tmp = f"{filepath}.tmp"

@@ -14,7 +14,6 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from omegaconf import DictConfig, OmegaConf
 
 from mlproject.utils.logging import get_logger
@@ -70,11 +69,9 @@ class RunState(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning bug #20550: when configure_optimizers reads trainer.estimated_stepping_batches (ours do, for
         # the schedule), the train loader is built before the checkpoint is restored and the position saved
-        # in a mid-epoch checkpoint is never loaded; load it here, in the epoch the run resumes in.
+        # in a mid-epoch checkpoint is never loaded; load it here.
         loop = trainer.fit_loop
         if loop._combined_loader_states_to_load and not loop.epoch_loop.batch_progress.is_last_batch:
-            for loader in loop._combined_loader.flattened:
-                _set_sampler_epoch(loader, trainer.current_epoch)
             loop._load_combined_loader_states()
             iter(loop._data_fetcher)
 

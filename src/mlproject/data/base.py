@@ -6,6 +6,7 @@ pairs) in `setup`. This class turns them into dataloaders that are correct under
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -57,11 +58,28 @@ class EvalSampler(DistributedSampler):
 
 
 class TrainSampler(DistributedSampler):
-    """torch's DistributedSampler, but the epoch's order is drawn at the first batch, not when the iterator
-    is made: a resumed run makes its iterator before Lightning sets the epoch it resumes in."""
+    """torch's DistributedSampler that knows its place in the epoch; the StatefulDataLoader saves it.
+
+    The place is counted in samples all ranks consumed together, so a run stopped mid-epoch resumes with
+    exactly the next global batch on any world size. The epoch's order is drawn at the first batch, not
+    when the iterator is made: a resumed run makes its iterator before Lightning sets the epoch.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.consumed = self.skip = 0  # this rank's samples handed out this epoch; to skip at the next start
 
     def __iter__(self):
-        yield from super().__iter__()
+        self.consumed, self.skip = self.skip, 0
+        for index in itertools.islice(super().__iter__(), self.consumed, None):
+            self.consumed += 1
+            yield index
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_all_ranks": self.consumed * self.num_replicas}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["consumed_all_ranks"] // self.num_replicas
 
 
 class DataModule(L.LightningDataModule):
