@@ -16,6 +16,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from mlproject.checkpoint.resume import resolve_ckpt_path
+    from mlproject.distributed.syncbn import SyncBatchNormPlugin
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
@@ -33,6 +34,7 @@ def main(cfg: DictConfig) -> float | None:
         strategy=instantiate(cfg.strategy),
         callbacks=instantiate_all(cfg.get("callbacks")),
         logger=instantiate_all(cfg.get("logger")) or False,
+        plugins=[SyncBatchNormPlugin()] if cfg.trainer.get("sync_batchnorm") else None,
     )
     world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
     log.info(

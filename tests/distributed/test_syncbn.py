@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from mlproject.distributed.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from mlproject.distributed.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
 from mlproject.models.components.cnn import SmallCNN
 
 B, C, STEPS, TOL = 4, 3, 3, 1e-5
@@ -54,28 +54,19 @@ def run_bn(bn: nn.Module, rank: int, world: int) -> dict[str, torch.Tensor]:
     }
 
 
-def worker(rank: int, world: int, port: int, queue) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    synced, converted = convert_sync_batchnorm(nn.BatchNorm2d(C))
-    assert converted == 1 and isinstance(synced, SyncBatchNorm)
-    queue.put((rank, run_bn(synced, rank, world), run_bn(nn.BatchNorm2d(C), rank, world)))
-    dist.barrier()
+    synced, converted = convert_sync_batchnorm(nn.BatchNorm2d(C), cpu=True)
+    assert converted == 1 and isinstance(synced, CPUSyncBatchNorm)
+    torch.save((run_bn(synced, rank, world), run_bn(nn.BatchNorm2d(C), rank, world)), f"{out_dir}/{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_syncbn_two_processes_equal_one_process_with_twice_the_batch():
+def test_syncbn_two_processes_equal_one_process_with_twice_the_batch(tmp_path):
     reference = run_bn(nn.BatchNorm2d(C), 0, 1)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((rank, (sync, plain)) for rank, sync, plain in (queue.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    mp.start_processes(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    results = {r: torch.load(tmp_path / f"{r}.pt") for r in range(2)}
 
     def gathered(which: int, key: str) -> torch.Tensor:
         parts = [results[r][which][key] for r in range(2)]
@@ -93,7 +84,7 @@ def test_syncbn_two_processes_equal_one_process_with_twice_the_batch():
 
 
 def test_convert_counts_the_cnn_batchnorm_layers_and_is_plain_batchnorm_without_a_process_group():
-    model, converted = convert_sync_batchnorm(SmallCNN(channels=4, dropout=0.0))
+    model, converted = convert_sync_batchnorm(SmallCNN(channels=4, dropout=0.0), cpu=True)
     assert converted == 4
     x = torch.randn(6, 1, 8, 8)
     plain = SmallCNN(channels=4, dropout=0.0)

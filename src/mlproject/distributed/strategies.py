@@ -14,3 +14,24 @@ def ddp(timeout: float = 1800, **kwargs):
     from lightning.pytorch.strategies import DDPStrategy
 
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
+
+
+def ddp_spawn(timeout: float = 1800, start_method: str = "spawn", **kwargs):
+    """DDP that starts its processes inside trainer.fit (multiprocessing): for notebooks and interactive use."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(start_method=start_method, timeout=timedelta(seconds=timeout), **kwargs)
+
+
+def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kwargs):
+    """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    from mlproject.distributed.deepspeed import ZeroStrategy, use_extensions_cache
+
+    use_extensions_cache()
+    return ZeroStrategy(
+        stage=stage,
+        offload_optimizer=offload,
+        offload_parameters=offload and stage == 3,
+        timeout=timedelta(seconds=timeout),
+        **kwargs,
+    )
