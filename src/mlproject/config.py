@@ -36,8 +36,15 @@ def run_id() -> str:
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return os.environ["TORCHELASTIC_RUN_ID"]
     rid = f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
-    os.environ["MLPROJECT_RUN_ID"] = rid
+    os.environ["MLPROJECT_RUN_ID"] = _GENERATED_RUN_ID[0] = rid
     return rid
+
+
+_GENERATED_RUN_ID = [""]  # the id run_id() made up in this process, if it did (one node cannot share it)
+
+
+def generated_run_id() -> str:
+    return _GENERATED_RUN_ID[0]
 
 
 def default_precision(accelerator: str = "auto") -> str:
@@ -185,3 +192,9 @@ def preflight(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
+    from hydra.core.hydra_config import HydraConfig
+
+    from mlproject.distributed.launch import check_deepspeed, check_launch
+
+    check_launch(cfg, multirun=HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN")
+    check_deepspeed(cfg)
