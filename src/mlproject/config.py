@@ -56,10 +56,17 @@ def default_precision(accelerator: str = "auto") -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
+def distributed_debug_level(accelerator: str = "auto") -> str:
+    """TORCH_DISTRIBUTED_DEBUG for debug=distributed: DETAIL (collective checks) on GPU; INFO on CPU, where
+    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo."""
+    return "INFO" if default_precision(accelerator) == "32-true" else "DETAIL"
+
+
 def register_resolvers() -> None:
     for name, fn in {
         "run_id": run_id,
         "precision": default_precision,
+        "distributed_debug_level": distributed_debug_level,
         "project_root": lambda: os.environ.get("PROJECT_ROOT", str(PROJECT_ROOT)),
     }.items():
         if not OmegaConf.has_resolver(name):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 
-def single():
-    """One process: Lightning's 'auto' resolves to SingleDeviceStrategy when devices=1 (preflight checks)."""
+def single(timeout: float | None = None):
+    """One process: Lightning's 'auto' resolves to SingleDeviceStrategy when devices=1 (preflight checks).
+    `timeout` is accepted so that every strategy takes it (debug=distributed sets it); one process has no group."""
     return "auto"
 
 
