@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.config import hydra_entry, preflight
+from mlproject.config import check_monitors, hydra_entry, preflight
 
 
 @hydra_entry("train")
@@ -29,10 +29,12 @@ def main(cfg: DictConfig) -> float | None:
     # 2. build: data, model, callbacks, loggers, trainer
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    callbacks = instantiate_all(cfg.get("callbacks"))
+    check_monitors(callbacks, model)
     trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
-        callbacks=instantiate_all(cfg.get("callbacks")),
+        callbacks=callbacks,
         logger=instantiate_all(cfg.get("logger")) or False,
         plugins=[SyncBatchNormPlugin()] if cfg.trainer.get("sync_batchnorm") else None,
     )
