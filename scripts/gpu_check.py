@@ -64,7 +64,7 @@ def run_one(strategy: str, devices: int, steps: int, batch: int, block: int, tmp
         return row
     rec = json.loads(Path(out).read_text())
     times = rec["times"]
-    step_s = statistics.median(b - a for a, b in zip(times[WARMUP_STEPS:], times[WARMUP_STEPS + 1 :]))
+    step_s = statistics.median(b - a for a, b in zip(times[WARMUP_STEPS:], times[WARMUP_STEPS + 1 :], strict=False))
     row.update(step_s=step_s, tokens_per_s=batch * block / step_s, params=rec["params"], memory=rec["peak_memory"])
     return row
 
