@@ -64,6 +64,41 @@ def read_metrics(run_dir: Path) -> dict[str, float]:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
+    """Start `world` real processes of `script` as ranks of one gloo job on 127.0.0.1 (the environment
+    torchrun would give them); Lightning sees LOCAL_RANK and launches nothing itself."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            cwd=PROJECT_ROOT,
+            env=clean_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE=str(world),
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                NODE_RANK="0",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
+
+
 @pytest.fixture
 def compose_cfg(tmp_path):
     """compose_cfg(*overrides) -> the composed train (or eval) config, resolvable outside a Hydra run."""

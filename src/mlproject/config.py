@@ -36,8 +36,15 @@ def run_id() -> str:
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return os.environ["TORCHELASTIC_RUN_ID"]
     rid = f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
-    os.environ["MLPROJECT_RUN_ID"] = rid
+    os.environ["MLPROJECT_RUN_ID"] = _GENERATED_RUN_ID[0] = rid
     return rid
+
+
+_GENERATED_RUN_ID = [""]  # the id run_id() made up in this process, if it did (one node cannot share it)
+
+
+def generated_run_id() -> str:
+    return _GENERATED_RUN_ID[0]
 
 
 def default_precision(accelerator: str = "auto") -> str:
@@ -49,10 +56,17 @@ def default_precision(accelerator: str = "auto") -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
+def distributed_debug_level(accelerator: str = "auto") -> str:
+    """TORCH_DISTRIBUTED_DEBUG for debug=distributed: DETAIL (collective checks) on GPU; INFO on CPU, where
+    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo."""
+    return "INFO" if default_precision(accelerator) == "32-true" else "DETAIL"
+
+
 def register_resolvers() -> None:
     for name, fn in {
         "run_id": run_id,
         "precision": default_precision,
+        "distributed_debug_level": distributed_debug_level,
         "project_root": lambda: os.environ.get("PROJECT_ROOT", str(PROJECT_ROOT)),
     }.items():
         if not OmegaConf.has_resolver(name):
@@ -65,8 +79,9 @@ register_resolvers()
 def one_line(exc: BaseException) -> str:
     """Hydra and OmegaConf errors span many lines (search paths, full keys); keep what a user needs."""
     text = str(exc).split("Config search path")[0]
-    if exc.__cause__ is not None and not isinstance(exc, ConfigError):
-        text += "\n" + str(exc.__cause__)
+    cause = str(exc.__cause__ or "")
+    if cause and cause not in text and not isinstance(exc, ConfigError):
+        text += "\n" + cause
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
     return " ".join(ln if ln.endswith((".", ":")) else ln + "." for ln in lines).replace(": .", ":")
@@ -80,19 +95,33 @@ def hydra_entry(config_name: str):
     """
 
     def decorator(task):
-        wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(task)
+        errors = (HydraException, OmegaConfBaseException, ConfigError)
+
+        def report(exc: BaseException, full: bool):
+            if full:
+                raise exc
+            print(f"error: {one_line(exc)}", file=sys.stderr)
+            sys.exit(2)
+
+        @functools.wraps(task)
+        def job(cfg):
+            # Errors inside the job are caught here: Hydra would first print its own multi-line header.
+            try:
+                return task(cfg)
+            except errors as exc:
+                report(exc, os.environ.get("_MLPROJECT_FULL_ERROR") == "user")
+
+        wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)
 
         @functools.wraps(task)
         def main():
-            full = os.environ.get("HYDRA_FULL_ERROR") == "1" and "_MLPROJECT_FULL_ERROR" not in os.environ
-            os.environ["HYDRA_FULL_ERROR"] = os.environ["_MLPROJECT_FULL_ERROR"] = "1"
+            if "_MLPROJECT_FULL_ERROR" not in os.environ:  # child processes inherit the user's choice
+                os.environ["_MLPROJECT_FULL_ERROR"] = "user" if os.environ.get("HYDRA_FULL_ERROR") == "1" else "1"
+            os.environ["HYDRA_FULL_ERROR"] = "1"
             try:
                 return wrapped()
-            except (HydraException, OmegaConfBaseException, ConfigError) as exc:
-                if full:
-                    raise
-                print(f"error: {one_line(exc)}", file=sys.stderr)
-                sys.exit(2)
+            except errors as exc:
+                report(exc, os.environ["_MLPROJECT_FULL_ERROR"] == "user")
 
         return main
 
@@ -155,7 +184,7 @@ def check_override_types(cfg: DictConfig) -> None:
         expected = (int, float) if isinstance(default, float) else type(default)
         if isinstance(given, bool) != isinstance(default, bool) or not isinstance(given, expected):
             raise ConfigError(
-                f"{o.key_or_group}={given!r} should be a {type(default).__name__} like the default {default!r}"
+                f"{o.key_or_group}={given!r} must be of type {type(default).__name__}, like the default {default!r}"
             )
 
 
@@ -194,3 +223,22 @@ def preflight(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
+    from hydra.core.hydra_config import HydraConfig
+
+    from mlproject.distributed.launch import check_deepspeed, check_launch
+
+    check_launch(cfg, multirun=HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN")
+    check_deepspeed(cfg)
+
+
+def check_monitors(callbacks: list, model) -> None:
+    """A checkpoint or early-stopping monitor must be equal on every rank, or ranks decide differently
+    (one saves, one does not) and the job hangs in the next collective."""
+    synced = getattr(model, "synced_metrics", None)
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if monitor and synced is not None and monitor not in synced:
+            raise ConfigError(
+                f"{type(callback).__name__} monitors '{monitor}', which is not synced across ranks; "
+                f"use one of: {', '.join(sorted(synced))}"
+            )

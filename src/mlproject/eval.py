@@ -14,6 +14,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
     from hydra.utils import get_class, instantiate
 
+    from mlproject.callbacks.predictions import PredictionWriter
     from mlproject.checkpoint.convert import load_module
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.report import apply_extras, print_summary, write_metrics
@@ -33,8 +34,11 @@ def main(cfg: DictConfig) -> dict[str, float]:
         logger=instantiate_all(cfg.get("logger")) or False,
     )
     trainer.test(model, datamodule=datamodule)
-
     values = write_metrics(trainer.callback_metrics, cfg.paths.output_dir)
+    if cfg.predict:  # predictions.csv: id, label, pred of every test sample, once, in dataset order
+        trainer.callbacks.append(PredictionWriter(f"{cfg.paths.output_dir}/predictions.csv"))
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+
     print_summary(values, cfg.paths.output_dir)
     return values
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.config import data_parallel_size, hydra_entry, preflight
+from mlproject.config import check_monitors, data_parallel_size, hydra_entry, preflight
 
 
 @hydra_entry("train")
@@ -18,6 +18,7 @@ def main(cfg: DictConfig) -> float | None:
     from mlproject.checkpoint.io import PortableCheckpointIO
     from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
+    from mlproject.distributed.syncbn import SyncBatchNormPlugin
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
@@ -30,12 +31,15 @@ def main(cfg: DictConfig) -> float | None:
     # 2. build: data, model, callbacks, loggers, trainer
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    callbacks = instantiate_all(cfg.get("callbacks"))
+    check_monitors(callbacks, model)
     trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
-        callbacks=[*instantiate_all(cfg.get("callbacks")), RunState(cfg)],  # + RNG states and config in checkpoints
+        callbacks=[*callbacks, RunState(cfg)],  # + RNG states and config in checkpoints
         logger=instantiate_all(cfg.get("logger")) or False,
-        plugins=[PortableCheckpointIO()],  # resume from a checkpoint of any strategy and world size
+        # resume from a checkpoint of any strategy and world size
+        plugins=[PortableCheckpointIO(), *([SyncBatchNormPlugin()] if cfg.trainer.get("sync_batchnorm") else [])],
     )
     world, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
     log.info(

@@ -24,6 +24,11 @@ class Classifier(L.LightningModule):
         self.val_metrics = ClassificationMetrics(num_classes)
         self.test_metrics = ClassificationMetrics(num_classes)
 
+    @property
+    def synced_metrics(self) -> set[str]:
+        """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
+        return {"train/acc"} | {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
+
     def forward(self, x):
         return self.net(x)
 

@@ -25,13 +25,14 @@ class ClassificationMetrics(nn.Module):
                 "auroc": MulticlassAUROC(**kw),
             }
         )
-        self.loss, self.samples = MeanMetric(), SumMetric()
+        # float64 sums: the loss then does not depend on how samples were split over ranks and batches
+        self.loss, self.samples = MeanMetric().set_dtype(torch.float64), SumMetric()
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Accumulate one batch; returns the batch's mean loss over its real samples."""
         losses = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="none")
         valid = (target != IGNORE_INDEX).float()
-        self.loss.update(losses, weight=valid)
+        self.loss.update(losses.double(), weight=valid.double())
         self.samples.update(valid.sum())
         for metric in self.scores.values():
             metric.update(logits, target)

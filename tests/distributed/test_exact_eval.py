@@ -1,0 +1,94 @@
+"""Evaluation is exact: N processes report what one process computes over the whole split, for any
+split size (dividing, odd, smaller than the world) — and every rank holds the same value."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchmetrics.functional.classification import multiclass_accuracy, multiclass_auroc, multiclass_f1_score
+
+from mlproject.data.digits import DigitsDataModule
+from tests.conftest import launch, read_metrics, run, run_dirs
+from tests.distributed import eval_worker
+
+WORKER = Path(eval_worker.__file__)
+
+
+def reference(dataset) -> dict[str, float]:
+    """The metrics of the whole split, computed directly on one process."""
+    model = eval_worker.fixed_model().eval()
+    x = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    y = torch.stack([dataset[i][1] for i in range(len(dataset))])
+    with torch.no_grad():
+        logits = model(x)
+    return {
+        "acc": multiclass_accuracy(logits, y, num_classes=10, average="micro").item(),
+        "f1": multiclass_f1_score(logits, y, num_classes=10, average="macro").item(),
+        "auroc": multiclass_auroc(logits, y, num_classes=10).item(),
+        "loss": F.cross_entropy(logits.double(), y).item(),
+        "samples": float(len(y)),
+    }
+
+
+def splits() -> dict[str, object]:
+    out = {}
+    for n in eval_worker.VAL_SIZES:
+        dm = DigitsDataModule(val_size=n, test_size=eval_worker.TEST_SIZE)
+        dm.setup()
+        out[f"val{n}"] = dm.val_set
+    out["test"] = dm.test_set
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_metrics_equal_single_process_reference(world, tmp_path):
+    launch(WORKER, str(tmp_path), "ddp" if world > 1 else "auto", world=world)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert all(r == ranks[0] for r in ranks), "ranks disagree on a synced metric"
+    for split, dataset in splits().items():
+        stage = "test" if split == "test" else "val"
+        got = {k.split("/")[1]: v for k, v in ranks[0][split].items()}
+        want = reference(dataset)
+        if len(dataset) == 1:
+            want.pop("auroc")  # undefined for a single sample; torchmetrics returns 0 either way
+            got.pop("auroc")
+        assert got == pytest.approx(want, abs=1e-6), f"{stage} split of {len(dataset)} samples"
+        assert got["samples"] == len(dataset)
+
+
+@pytest.mark.slow
+def test_eval_one_vs_two_processes_and_predictions(trained_run, tmp_path):
+    """`mlproject.eval` on one checkpoint: 1 process and ddp x 2 write the same metrics.json, and the
+    predictions file holds each test sample once, in order, agreeing with test/acc."""
+    ckpt = f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}"
+    run("eval", ckpt, "extras.print_config=false", "trainer.devices=1", log_dir=tmp_path / "one")
+    run(
+        "eval",
+        ckpt,
+        "extras.print_config=false",
+        "strategy=ddp",
+        "trainer=cpu",
+        "trainer.devices=2",
+        "predict=true",
+        log_dir=tmp_path / "two",
+    )
+    (one,), (two,) = run_dirs(tmp_path / "one", "eval"), run_dirs(tmp_path / "two", "eval")
+    m1, m2 = read_metrics(one), read_metrics(two)
+    # acc, f1, auroc and samples are bitwise equal; the loss sums floats in another order (float64
+    # accumulation keeps the difference ~1e-9)
+    assert {k: v for k, v in m1.items() if k != "test/loss"} == {k: v for k, v in m2.items() if k != "test/loss"}
+    assert m1["test/loss"] == pytest.approx(m2["test/loss"], rel=1e-7)
+
+    rows = list(csv.DictReader((two / "predictions.csv").open()))
+    assert [int(r["id"]) for r in rows] == list(range(360))
+    dm = DigitsDataModule()  # the default split that eval used
+    dm.setup()
+    assert [int(r["label"]) for r in rows] == [int(y) for _, y in dm.test_set]
+    acc = sum(r["label"] == r["pred"] for r in rows) / len(rows)
+    assert acc == pytest.approx(m2["test/acc"], abs=1e-6)

@@ -1,0 +1,35 @@
+"""Bad input ends with one clear line naming the fix, a non-zero exit, and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run, run_dirs
+
+CASES = {
+    "unknown option": (["model=resnet"], "Available options in 'model': digits"),
+    "unknown key": (["trainer.max_epoch=3"], "+trainer.max_epoch=3"),
+    "wrong type": (["trainer.max_epochs=ten"], "trainer.max_epochs='ten' must be of type int"),
+    "batch not divisible": (["strategy=ddp", "trainer.devices=3"], "use a multiple of 3"),
+    "missing checkpoint": (["ckpt_path=nope.ckpt"], "ckpt_path=nope.ckpt does not exist"),
+    "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
+    "no gpu": (["trainer=gpu"], "use trainer=cpu"),
+    "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_override_gives_one_line(case, tmp_path):
+    overrides, expected = CASES[case]
+    proc = run("train", *overrides, "extras.print_config=false", log_dir=tmp_path, check=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not any(d.joinpath("checkpoints").exists() for d in run_dirs(tmp_path))  # nothing half-written
+
+
+def test_eval_without_checkpoint(tmp_path):
+    proc = run("eval", log_dir=tmp_path, check=False)
+    assert proc.returncode == 2 and "ckpt_path" in proc.stderr and "Traceback" not in proc.stderr
