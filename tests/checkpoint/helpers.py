@@ -11,8 +11,8 @@ import torch
 from mlproject.checkpoint.convert import load_full
 from tests.conftest import run
 
-# 3 epochs of 19 optimizer steps on the digits data, fp32 on the CPU, no test stage
-BASE = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=3", "test=false", "logger=csv"]
+# 3 epochs of 19 optimizer steps on the digits data, fp32 on the CPU
+BASE = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=3", "logger=csv"]
 STEPS_PER_EPOCH = 19
 
 
@@ -20,17 +20,20 @@ def strategy(name: str, devices: int = 1) -> list[str]:
     return [f"strategy={name}", f"trainer.devices={devices}"]
 
 
-def kill_at(step: int, rank: int | None = None) -> list[str]:
+def kill_at(step: int, rank: int | None = None, stamp: Path | None = None) -> list[str]:
     """Overrides adding a callback that SIGKILLs the process(es) when optimizer step `step` starts."""
     return [
         "+callbacks.kill._target_=tests.checkpoint.killer.KillAt",
         f"+callbacks.kill.step={step}",
         f"+callbacks.kill.rank={'null' if rank is None else rank}",
+        f"+callbacks.kill.stamp={'null' if stamp is None else stamp}",
     ]
 
 
-def train(log_dir: Path, run_id: str, *overrides: str, check: bool = True, timeout: int = 240):
-    return run("train", *BASE, f"run_id={run_id}", *overrides, log_dir=log_dir, check=check, timeout=timeout)
+def train(log_dir: Path, run_id: str, *overrides: str, test: bool = False, check: bool = True, timeout: int = 600):
+    """A real `python -m mlproject.train` run (its test stage only if `test`)."""
+    overrides = (*BASE, f"run_id={run_id}", f"test={str(test).lower()}", *overrides)
+    return run("train", *overrides, log_dir=log_dir, check=check, timeout=timeout)
 
 
 def run_dir(log_dir: Path, run_id: str) -> Path:
@@ -61,3 +64,19 @@ def epoch_metrics(run: Path, prefix: tuple[str, ...] | str = ("val/", "train/acc
                     if value and key.startswith(prefix):
                         out[int(row["epoch"])][key] = float(value)
     return dict(out)
+
+
+def assert_export_matches(ckpt: Path, out: Path, x: torch.Tensor) -> None:
+    """The exported file loads with weights_only=True into the bare network, which predicts exactly what
+    the LightningModule rebuilt from the checkpoint predicts."""
+    from hydra.utils import get_class, instantiate
+
+    from mlproject.checkpoint.convert import export, load_module
+
+    export(ckpt, out)
+    exported = torch.load(out, weights_only=True)
+    net = instantiate(exported["config"]["model"]["net"])
+    net.load_state_dict(exported["state_dict"])
+    module = load_module(get_class(exported["config"]["model"]["_target_"]), ckpt)
+    with torch.no_grad():
+        assert torch.equal(net.eval()(x), module.eval()(x))
