@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,3 +82,17 @@ def assert_export_matches(ckpt: Path, out: Path, x: torch.Tensor) -> None:
     module = load_module(get_class(exported["config"]["model"]["_target_"]), ckpt)
     with torch.no_grad():
         assert torch.equal(net.eval()(x), module.eval()(x))
+
+
+def wait_until_gone(marker: str, timeout: float) -> float:
+    """Seconds until no process whose command line contains `marker` is left (fails after `timeout`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        alive = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):  # exited while we looked
+                alive += [cmdline] if marker in cmdline.read_text() else []
+        if not alive:
+            return time.monotonic() - start
+        time.sleep(1)
+    raise AssertionError(f"processes of {marker} still alive after {timeout} s")

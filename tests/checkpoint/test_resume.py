@@ -16,6 +16,7 @@ from tests.checkpoint.helpers import (
     run_dir,
     strategy,
     train,
+    wait_until_gone,
     weights,
 )
 
@@ -23,7 +24,7 @@ EVERY_7_STEPS = ["callbacks.model_checkpoint.every_n_train_steps=7"]
 TIMEOUT = 30  # strategy.timeout (seconds) in the fault test: survivors must exit within TIMEOUT + 60 s
 
 
-def straight_vs_interrupted(tmp_path, setup: list[str], kill_rank: int | None) -> None:
+def straight_vs_interrupted(tmp_path, setup: list[str], kill_rank: int | None, mid_kill_rank: int | None) -> None:
     """One straight run; one killed after its epoch-2 checkpoint; one killed mid-epoch 3 with a checkpoint
     every 7 steps. Both interrupted runs resume with ckpt_path=auto under the same run_id."""
     train(tmp_path, "straight", *setup)
@@ -42,8 +43,11 @@ def straight_vs_interrupted(tmp_path, setup: list[str], kill_rank: int | None) -
     assert epoch_metrics(epoch) == epoch_metrics(straight)
 
     # killed mid-epoch at step 47: the last checkpoint is from step 42, 5 steps into epoch 3
-    proc = train(tmp_path, "mid", *setup, *EVERY_7_STEPS, "ckpt_path=auto", *kill_at(47), check=False)
+    proc = train(tmp_path, "mid", *setup, *EVERY_7_STEPS, "ckpt_path=auto", *kill_at(47, mid_kill_rank), check=False)
     assert proc.returncode != 0
+    wait_until_gone(
+        f"paths.log_dir={tmp_path}", TIMEOUT + 60
+    )  # ranks that outlive the launcher (rank 0) exit by themselves
     mid = run_dir(tmp_path, "mid")
     train(tmp_path, "mid", *setup, *EVERY_7_STEPS, "ckpt_path=auto")
     assert_bitwise(weights(straight / "checkpoints" / "last.ckpt"), weights(mid / "checkpoints" / "last.ckpt"))
@@ -57,12 +61,13 @@ def straight_vs_interrupted(tmp_path, setup: list[str], kill_rank: int | None) -
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 5 (ddp: 10) processes one after another; slow on a loaded machine
 def test_single_resume_is_bitwise(tmp_path):
-    straight_vs_interrupted(tmp_path, strategy("single"), kill_rank=None)
+    straight_vs_interrupted(tmp_path, strategy("single"), kill_rank=None, mid_kill_rank=None)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 5 (ddp: 10) processes one after another; slow on a loaded machine
 def test_ddp_resume_is_bitwise_after_one_rank_dies(tmp_path):
-    """ddp on 2 processes: the first interruption SIGKILLs rank 1 only; rank 0 must exit, not hang."""
+    """ddp on 2 processes: the first interruption SIGKILLs rank 1 only, the second rank 0 only (the launcher);
+    each time the other rank must exit within strategy.timeout + 60 s, not hang."""
     setup = [*strategy("ddp", 2), f"strategy.timeout={TIMEOUT}"]
-    straight_vs_interrupted(tmp_path, setup, kill_rank=1)
+    straight_vs_interrupted(tmp_path, setup, kill_rank=1, mid_kill_rank=0)

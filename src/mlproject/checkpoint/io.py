@@ -50,6 +50,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
             candidates[self.monitor] = torch.tensor(float("nan"))
         return candidates
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # With every_n_train_steps the last save can predate the final steps; a finished run's last.ckpt
+        # must hold its final state, or `ckpt_path=auto` would train the tail again.
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         tmp = f"{filepath}.tmp"
         trainer.strategy.remove_checkpoint(tmp)  # the leftover of a save that was killed
