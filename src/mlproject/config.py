@@ -115,6 +115,10 @@ def hydra_entry(config_name: str):
 
         @functools.wraps(task)
         def main():
+            if config_name == "train":  # resuming another run's checkpoint continues in that run's directory
+                from mlproject.checkpoint.resume import continue_run_of_checkpoint
+
+                continue_run_of_checkpoint(sys.argv[1:])
             if "_MLPROJECT_FULL_ERROR" not in os.environ:  # child processes inherit the user's choice
                 os.environ["_MLPROJECT_FULL_ERROR"] = "user" if os.environ.get("HYDRA_FULL_ERROR") == "1" else "1"
             os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from mlproject.checkpoint.convert import CheckpointError, kind, load_full
 from mlproject.checkpoint.io import ModelCheckpoint, replace
-from mlproject.checkpoint.resume import resolve_ckpt_path
+from mlproject.checkpoint.resume import continue_run_of_checkpoint, resolve_ckpt_path
 from tests.conftest import run
 
 
@@ -99,3 +100,13 @@ def test_truncated_checkpoint_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and str(ckpt) in last and "truncated" in last
+
+
+def test_resuming_another_runs_checkpoint_continues_in_its_directory(monkeypatch):
+    monkeypatch.delenv("MLPROJECT_RUN_ID", raising=False)
+    continue_run_of_checkpoint(["trainer=cpu", "ckpt_path=logs/train/runs/my-run/checkpoints/last.ckpt"])
+    assert os.environ["MLPROJECT_RUN_ID"] == "my-run"
+    monkeypatch.delenv("MLPROJECT_RUN_ID")
+    continue_run_of_checkpoint(["run_id=new", "ckpt_path=logs/train/runs/my-run/checkpoints/last.ckpt"])
+    continue_run_of_checkpoint(["ckpt_path=/elsewhere/model.ckpt"])
+    assert "MLPROJECT_RUN_ID" not in os.environ  # an explicit run_id wins; a foreign path names no run
