@@ -13,10 +13,11 @@ TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
 ARGS   ?=
 CKPT   ?=
+OUT    ?= model.pt
 # `make train trainer.max_epochs=3` works too: command-line variables that are not ours are overrides.
-OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=% NAME=% EXAMPLES=%,$(MAKEOVERRIDES)) $(ARGS)
+OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=% OUT=% NAME=% EXAMPLES=%,$(MAKEOVERRIDES)) $(ARGS)
 
-.PHONY: help install train eval test test-fast lint format clean
+.PHONY: help install train eval export test test-fast lint format clean
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -36,6 +37,10 @@ train: install ## train the default experiment; overrides: make train ARGS="trai
 eval: install ## evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS=...]
 	@test -n "$(CKPT)" || { echo "error: give the checkpoint, e.g. make eval CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
 	$(PY) -m mlproject.eval ckpt_path=$(CKPT) $(OVERRIDES)
+
+export: install ## any checkpoint -> one plain state dict: make export CKPT=path/to/last.ckpt [OUT=model.pt]
+	@test -n "$(CKPT)" || { echo "error: give the checkpoint, e.g. make export CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
+	$(PY) -m mlproject.export ckpt_path=$(CKPT) out=$(OUT) $(OVERRIDES)
 
 test: install ## run the whole test suite
 	$(PY) -m pytest $(ARGS)

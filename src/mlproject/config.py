@@ -36,8 +36,15 @@ def run_id() -> str:
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return os.environ["TORCHELASTIC_RUN_ID"]
     rid = f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
-    os.environ["MLPROJECT_RUN_ID"] = rid
+    os.environ["MLPROJECT_RUN_ID"] = _GENERATED_RUN_ID[0] = rid
     return rid
+
+
+_GENERATED_RUN_ID = [""]  # the id run_id() made up in this process, if it did (one node cannot share it)
+
+
+def generated_run_id() -> str:
+    return _GENERATED_RUN_ID[0]
 
 
 def default_precision(accelerator: str = "auto") -> str:
@@ -49,10 +56,17 @@ def default_precision(accelerator: str = "auto") -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
+def distributed_debug_level(accelerator: str = "auto") -> str:
+    """TORCH_DISTRIBUTED_DEBUG for debug=distributed: DETAIL (collective checks) on GPU; INFO on CPU, where
+    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo."""
+    return "INFO" if default_precision(accelerator) == "32-true" else "DETAIL"
+
+
 def register_resolvers() -> None:
     for name, fn in {
         "run_id": run_id,
         "precision": default_precision,
+        "distributed_debug_level": distributed_debug_level,
         "project_root": lambda: os.environ.get("PROJECT_ROOT", str(PROJECT_ROOT)),
     }.items():
         if not OmegaConf.has_resolver(name):
@@ -101,6 +115,10 @@ def hydra_entry(config_name: str):
 
         @functools.wraps(task)
         def main():
+            if config_name == "train":  # resuming another run's checkpoint continues in that run's directory
+                from mlproject.checkpoint.resume import continue_run_of_checkpoint
+
+                continue_run_of_checkpoint(sys.argv[1:])
             if "_MLPROJECT_FULL_ERROR" not in os.environ:  # child processes inherit the user's choice
                 os.environ["_MLPROJECT_FULL_ERROR"] = "user" if os.environ.get("HYDRA_FULL_ERROR") == "1" else "1"
             os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -212,6 +230,12 @@ def preflight(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
+    from hydra.core.hydra_config import HydraConfig
+
+    from mlproject.distributed.launch import check_deepspeed, check_launch
+
+    check_launch(cfg, multirun=HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN")
+    check_deepspeed(cfg)
 
 
 def check_monitors(callbacks: list, model) -> None:

@@ -15,6 +15,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     from hydra.utils import get_class, instantiate
 
     from mlproject.callbacks.predictions import PredictionWriter
+    from mlproject.checkpoint.convert import load_module
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.report import apply_extras, print_summary, write_metrics
 
@@ -22,8 +23,9 @@ def main(cfg: DictConfig) -> dict[str, float]:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
 
-    # the architecture comes from the checkpoint's saved hyperparameters, not from cfg.model
-    model = get_class(cfg.model._target_).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    # the architecture comes from the checkpoint's saved hyperparameters, not from cfg.model; the checkpoint
+    # may be of any strategy and world size (a file, a sharded or a DeepSpeed directory)
+    model = load_module(get_class(cfg.model._target_), cfg.ckpt_path)
     datamodule = instantiate(cfg.data)
     trainer = instantiate(
         cfg.trainer,

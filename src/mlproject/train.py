@@ -15,7 +15,10 @@ def main(cfg: DictConfig) -> float | None:
     import lightning as L
     from hydra.utils import instantiate
 
+    from mlproject.checkpoint.io import PortableCheckpointIO
     from mlproject.checkpoint.resume import resolve_ckpt_path
+    from mlproject.checkpoint.state import RunState
+    from mlproject.distributed.syncbn import SyncBatchNormPlugin
     from mlproject.utils.instantiate import instantiate_all
     from mlproject.utils.logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
@@ -33,8 +36,10 @@ def main(cfg: DictConfig) -> float | None:
     trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
-        callbacks=callbacks,
+        callbacks=[*callbacks, RunState(cfg)],  # + RNG states and config in checkpoints
         logger=instantiate_all(cfg.get("logger")) or False,
+        # resume from a checkpoint of any strategy and world size
+        plugins=[PortableCheckpointIO(), *([SyncBatchNormPlugin()] if cfg.trainer.get("sync_batchnorm") else [])],
     )
     world, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
     log.info(

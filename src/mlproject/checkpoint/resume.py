@@ -1,14 +1,34 @@
-"""Which checkpoint a run resumes from."""
+"""Which checkpoint a run resumes from, and in which run directory."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path) -> str | None:
     """`auto`: this run's checkpoints/last.ckpt when it exists (a re-run or requeue of the same run_id),
-    else start fresh. Any other value is an explicit path (preflight checked it exists)."""
-    if ckpt_path != "auto":
-        return ckpt_path
-    last = Path(run_dir) / "checkpoints" / "last.ckpt"
-    return str(last) if last.exists() else None
+    else start fresh. Any other value is an explicit path. Either way a damaged checkpoint stops here with
+    a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
+    from mlproject.checkpoint.convert import kind
+
+    if ckpt_path == "auto":
+        last = Path(run_dir) / "checkpoints" / "last.ckpt"
+        aside = Path(f"{last}.old")  # a crash between the two renames of a directory save (checkpoint/io.py)
+        ckpt_path = str(last) if last.exists() else str(aside) if aside.exists() else None
+    if ckpt_path is not None:
+        kind(ckpt_path)
+    return ckpt_path
+
+
+def continue_run_of_checkpoint(args: list[str]) -> None:
+    """`ckpt_path=<log_dir>/<task>/runs/<run_id>/checkpoints/<name>` without `run_id=`: resume in that run's
+    directory, so its logs, metrics.csv and W&B run (id `<task>-<run_id>`) continue. Sets the id every rank
+    and every resolver of `${run_id:}` reads (config.run_id)."""
+    if os.environ.get("MLPROJECT_RUN_ID") or any(arg.startswith("run_id=") for arg in args):
+        return
+    for arg in args:
+        if arg.startswith("ckpt_path="):
+            parts = Path(arg.split("=", 1)[1]).parts
+            if len(parts) >= 4 and parts[-2] == "checkpoints" and parts[-4] == "runs":
+                os.environ["MLPROJECT_RUN_ID"] = parts[-3]

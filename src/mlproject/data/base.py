@@ -6,12 +6,14 @@ pairs) in `setup`. This class turns them into dataloaders that are correct under
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mlproject.config import IGNORE_INDEX, per_device_batch_size
 
@@ -55,6 +57,31 @@ class EvalSampler(DistributedSampler):
         return self.num_samples
 
 
+class TrainSampler(DistributedSampler):
+    """torch's DistributedSampler that knows its place in the epoch; the StatefulDataLoader saves it.
+
+    The place is counted in samples all ranks consumed together, so a run stopped mid-epoch resumes with
+    exactly the next global batch on any world size. The epoch's order is drawn at the first batch, not
+    when the iterator is made: a resumed run makes its iterator before Lightning sets the epoch.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.consumed = self.skip = 0  # this rank's samples handed out this epoch; to skip at the next start
+
+    def __iter__(self):
+        self.consumed, self.skip = self.skip, 0
+        for index in itertools.islice(super().__iter__(), self.consumed, None):
+            self.consumed += 1
+            yield index
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_all_ranks": self.consumed * self.num_replicas}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["consumed_all_ranks"] // self.num_replicas
+
+
 class DataModule(L.LightningDataModule):
     """Base datamodule. `batch_size` is global: each device gets batch_size / (world x accumulation)."""
 
@@ -78,8 +105,8 @@ class DataModule(L.LightningDataModule):
         accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
         return self.per_device_batch_size_for(self._world()[0], accumulate)
 
-    def _loader(self, dataset: Dataset, sampler, drop_last: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: Dataset, sampler, drop_last: bool, loader=DataLoader, **kwargs) -> DataLoader:
+        return loader(
             Indexed(dataset),
             batch_size=self.per_device_batch_size,
             sampler=sampler,
@@ -87,6 +114,7 @@ class DataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            **kwargs,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -95,8 +123,12 @@ class DataModule(L.LightningDataModule):
         # the incomplete tail keeps every rank's micro-batch the same size.
         world, rank = self._world()
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        sampler = DistributedSampler(self.train_set, world, rank, shuffle=True, seed=seed, drop_last=True)
-        return self._loader(self.train_set, sampler, drop_last=True)
+        sampler = TrainSampler(self.train_set, world, rank, shuffle=True, seed=seed, drop_last=True)
+        # A StatefulDataLoader: Lightning saves its position in each checkpoint, so a run stopped mid-epoch
+        # resumes with exactly the next batch. Its own generator keeps the creation of each epoch's iterator
+        # off the global RNG, whose state checkpoint/state.py saves and restores.
+        generator = torch.Generator().manual_seed(seed + rank)
+        return self._loader(self.train_set, sampler, True, StatefulDataLoader, generator=generator)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, EvalSampler(self.val_set, *self._world()), drop_last=False)

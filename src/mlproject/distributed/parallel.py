@@ -9,6 +9,9 @@ attention and MLP needs one all-reduce forward and one backward).
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -24,6 +27,21 @@ class ModelParallel(ModelParallelStrategy):
     def __init__(self, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.fsdp = fsdp
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        # A full checkpoint (single, ddp) keys optimizer state by position, which Lightning maps to parameters
+        # in module order; re-key it by name in the optimizers' own order first (checkpoint/convert.py).
+        from mlproject.checkpoint.convert import name_optimizer_states
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file() or not self.optimizers:
+            return super().load_checkpoint(path, weights_only)
+        checkpoint = name_optimizer_states(
+            torch.load(path, map_location="cpu", weights_only=False), self.model, self.optimizers
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(checkpoint, Path(tmp) / path.name)
+            return super().load_checkpoint(Path(tmp) / path.name, weights_only)
 
     def setup_environment(self) -> None:
         # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.

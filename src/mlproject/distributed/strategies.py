@@ -9,8 +9,9 @@ from omegaconf import DictConfig
 from mlproject.config import ConfigError, world_size
 
 
-def single():
-    """One process: Lightning's 'auto' resolves to SingleDeviceStrategy when devices=1 (preflight checks)."""
+def single(timeout: float | None = None):
+    """One process: Lightning's 'auto' resolves to SingleDeviceStrategy when devices=1 (preflight checks).
+    `timeout` is accepted so that every strategy takes it (debug=distributed sets it); one process has no group."""
     return "auto"
 
 
@@ -62,3 +63,24 @@ def check_model_parallel(cfg: DictConfig) -> None:
             f"strategy={name} needs a model whose configure_model splits it (e.g. model=gpt); "
             f"{model_cls.__name__} has none; use strategy=ddp"
         )
+
+
+def ddp_spawn(timeout: float = 1800, start_method: str = "spawn", **kwargs):
+    """DDP that starts its processes inside trainer.fit (multiprocessing): for notebooks and interactive use."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(start_method=start_method, timeout=timedelta(seconds=timeout), **kwargs)
+
+
+def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kwargs):
+    """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    from mlproject.distributed.deepspeed import ZeroStrategy, use_extensions_cache
+
+    use_extensions_cache()
+    return ZeroStrategy(
+        stage=stage,
+        offload_optimizer=offload,
+        offload_parameters=offload and stage == 3,
+        timeout=timedelta(seconds=timeout),
+        **kwargs,
+    )

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from mlproject.utils.logging import get_logger
 
@@ -34,3 +39,22 @@ def wandb_logger(offline: bool | None = None, **kwargs):
                 "upload later with `wandb sync <run dir>/wandb/offline-run-*`"
             )
     return WandbLogger(offline=offline, resume="allow", **kwargs)
+
+
+class CSVLogger(_CSVLogger):
+    """Lightning's CSVLogger, except that a resumed run appends to the run's metrics.csv (Lightning deletes it)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+class _AppendingWriter(ExperimentWriter):
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):  # keep the file, and its columns for the rows to come
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                self.metrics_keys = next(csv.reader(f), [])

@@ -1,0 +1,130 @@
+"""Read any checkpoint this template writes into one in-memory Lightning checkpoint with full tensors.
+
+Formats: a single file (single, ddp; `torch.save` zip), a sharded directory (fsdp, tp: torch.distributed
+.checkpoint shards + Lightning's meta.pt), a DeepSpeed directory (`latest` + ZeRO shards).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlproject.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read; the message names the file and says what to do."""
+
+
+def kind(path: str | Path) -> str:
+    """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
+    path = Path(path)
+    if path.is_file():
+        try:  # torch.save writes a zip: a truncated file has no central directory, a damaged one a bad CRC
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise CheckpointError(f"{path} is not a readable checkpoint ({exc}); it is truncated or damaged") from None
+        if bad is not None:
+            raise CheckpointError(f"{path} is damaged (bad CRC in {bad})")
+        return "file"
+    if (path / "meta.pt").is_file() and (path / ".metadata").is_file():
+        return "sharded"
+    if (path / "latest").is_file():
+        return "deepspeed"
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory but not a complete sharded or DeepSpeed checkpoint")
+    raise CheckpointError(f"{path} does not exist")
+
+
+def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed's optimizer state is keyed by parameter name; a plain optimizer wants the
+    parameter's position over all param groups, which is the order the names are listed in."""
+    ids: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        params = [ids.setdefault(name, len(ids)) for name in group["params"]]
+        groups.append({**group, "params": params})
+    return {"state": {ids[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def _from_sharded(path: Path) -> dict[str, Any]:
+    # Lightning's consolidate_checkpoint expects Fabric's "model" key; ModelParallelStrategy (pytorch) saves
+    # "state_dict" and "optimizer_<i>" shards plus the rest in meta.pt, which this helper merges in.
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    checkpoint = _load_distributed_checkpoint(path)
+    optimizers = sorted(k for k in checkpoint if k.startswith("optimizer_") and k[len("optimizer_") :].isdigit())
+    checkpoint["optimizer_states"] = [_rekey_optimizer(checkpoint.pop(k)) for k in optimizers]
+    return checkpoint
+
+
+def _from_deepspeed(path: Path) -> dict[str, Any]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from lightning.pytorch.utilities.deepspeed import ds_checkpoint_dir
+
+    tag = (path / "latest").read_text().strip()
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(path, tag=tag)
+    # Lightning keeps the client state (loops, callbacks, hyperparameters) in the model-states file
+    client = torch.load(
+        next(Path(ds_checkpoint_dir(path, tag)).glob("*model_states.pt")), map_location="cpu", weights_only=False
+    )
+    checkpoint = {k: v for k, v in client.items() if k not in ("module", "optimizer", "lr_scheduler")}
+    checkpoint["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in state_dict.items()}
+    return checkpoint
+
+
+def load_full(path: str | Path) -> dict[str, Any]:
+    """The checkpoint at `path` as a Lightning checkpoint dict on the CPU, with full (unsharded) tensors."""
+    path = Path(path)
+    fmt = kind(path)
+    if fmt == "file":
+        return torch.load(path, map_location="cpu", weights_only=False)
+    return _from_sharded(path) if fmt == "sharded" else _from_deepspeed(path)
+
+
+def load_module(cls, path: str | Path):
+    """The LightningModule `cls` rebuilt from the checkpoint's hyperparameters, with its weights."""
+    checkpoint = load_full(path)
+    module = cls(**checkpoint["hyper_parameters"])
+    module.load_state_dict(checkpoint["state_dict"])
+    return module
+
+
+def export(ckpt_path: str | Path, out: str | Path, module: str = "net") -> None:
+    """Write `{"state_dict", "config"}`: the weights of the LightningModule's attribute `module` (the bare
+    nn.Module) and the run's resolved config, as plain tensors and containers (torch.load weights_only=True)."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    checkpoint = load_full(ckpt_path)
+    prefix = f"{module}."
+    state_dict = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    if not state_dict:
+        raise CheckpointError(f"{ckpt_path} has no weights under '{module}'; set module= to the network's attribute")
+    config = (checkpoint.get("callbacks", {}).get("RunState") or {}).get("config")
+    if config is None:  # a checkpoint written without RunState still has the model's hyperparameters
+        config = {"model": OmegaConf.to_container(OmegaConf.create(dict(checkpoint["hyper_parameters"])))}
+    tmp = f"{out}.tmp"
+    torch.save({"state_dict": state_dict, "config": config}, tmp)
+    os.replace(tmp, out)
+
+
+def name_optimizer_states(checkpoint: dict[str, Any], module: torch.nn.Module, optimizers) -> dict[str, Any]:
+    """Key a full checkpoint's optimizer states by parameter name, in the order of each optimizer's own
+    param groups. Lightning's ModelParallelStrategy maps positions to parameters in module order instead,
+    which is wrong as soon as the groups reorder them (ours: weights with decay, then the rest)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    for state, optimizer in zip(checkpoint["optimizer_states"], optimizers, strict=True):
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        if state["state"] and not isinstance(next(iter(state["state"])), int):
+            continue  # already keyed by name
+        state["state"] = {order[i]: value for i, value in state["state"].items()}
+        state["param_groups"] = [
+            {**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]
+        ]
+    return checkpoint

@@ -1,0 +1,92 @@
+"""What Lightning leaves out of a checkpoint: every rank's RNG states and the run's resolved config.
+
+Lightning saves model, optimizers, schedulers, loop counters and precision state, and the data position
+through the StatefulDataLoader (data/base.py). Without the RNG states a resumed run draws different
+dropout masks than a straight one; without the config a checkpoint cannot rebuild its model on its own.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from mlproject.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values, so `torch.load(weights_only=True)` reads them."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": list(random.getstate()),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RunState(L.Callback):
+    """Adds each rank's RNG states and the resolved config to every checkpoint; restores the RNG on resume.
+
+    Every rank takes part in each save (Lightning calls `state_dict` on all ranks), so rank 0, which writes
+    the non-sharded part of the checkpoint, holds all ranks' states. Loggers are flushed at each save and
+    each epoch start: the CSV logger otherwise buffers 100 steps, which a kill would lose for good.
+    """
+
+    def __init__(self, config: DictConfig | dict | None = None):
+        self.config = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
+
+    def state_dict(self) -> dict[str, Any]:
+        states = [rng_state()]
+        if dist.is_available() and dist.is_initialized():
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, rng_state())
+        return {"rng": states, "config": self.config}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning bug #20550: when configure_optimizers reads trainer.estimated_stepping_batches (ours do, for
+        # the schedule), the train loader is built before the checkpoint is restored and the position saved
+        # in a mid-epoch checkpoint is never loaded; load it here.
+        loop = trainer.fit_loop
+        if loop._combined_loader_states_to_load and not loop.epoch_loop.batch_progress.is_last_batch:
+            loop._load_combined_loader_states()
+            iter(loop._data_fetcher)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict.get("rng") or []
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        if len(states) != world:
+            log.warning(
+                f"checkpoint holds RNG states of {len(states)} rank(s), this run has {world}: "
+                "training continues from the seeded RNG, so the result is close but not bitwise a straight run"
+            )
+            return
+        set_rng_state(states[rank])

@@ -1,0 +1,28 @@
+"""Export a checkpoint: `python -m mlproject.export ckpt_path=... out=model.pt`.
+
+Any checkpoint this template writes (a single file from single/ddp, a sharded directory from fsdp/tp, a
+DeepSpeed directory) becomes one file `{"state_dict": <the bare network's weights>, "config": <the run's
+resolved config>}` that needs neither Lightning nor this package to read:
+
+    ckpt = torch.load("model.pt", weights_only=True)
+    net = hydra.utils.instantiate(ckpt["config"]["model"]["net"])
+    net.load_state_dict(ckpt["state_dict"])
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from mlproject.config import hydra_entry
+
+
+@hydra_entry("export")
+def main(cfg: DictConfig) -> None:
+    from mlproject.checkpoint.convert import export
+
+    export(cfg.ckpt_path, cfg.out, cfg.module)
+    print(f"wrote {cfg.out}")
+
+
+if __name__ == "__main__":
+    main()

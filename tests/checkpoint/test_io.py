@@ -1,0 +1,112 @@
+"""Atomic writes, recovery after a crash between renames, and a clear error for a damaged checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlproject.checkpoint.convert import CheckpointError, kind, load_full
+from mlproject.checkpoint.io import ModelCheckpoint, replace
+from mlproject.checkpoint.resume import continue_run_of_checkpoint, resolve_ckpt_path
+from tests.conftest import run
+
+
+def save(path: Path, value: float) -> None:
+    torch.save({"state_dict": {"w": torch.full((4,), value)}}, path)
+
+
+def shards(path: Path, value: float) -> None:
+    path.mkdir()
+    (path / "meta.pt").write_bytes(b"")
+    (path / ".metadata").write_bytes(b"")
+    (path / "__0_0.distcp").write_text(str(value))
+
+
+def test_replace_files_and_directories(tmp_path):
+    dst = tmp_path / "last.ckpt"
+    save(tmp_path / "a", 1.0)
+    replace(tmp_path / "a", dst)
+    assert load_full(dst)["state_dict"]["w"][0] == 1.0
+    shards(tmp_path / "b", 2.0)  # a sharded checkpoint replaces a file (e.g. ddp -> fsdp in one run)
+    replace(tmp_path / "b", dst)
+    assert kind(dst) == "sharded" and (dst / "__0_0.distcp").read_text() == "2.0"
+    shards(tmp_path / "c", 3.0)  # ... and a directory
+    replace(tmp_path / "c", dst)
+    assert (dst / "__0_0.distcp").read_text() == "3.0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_auto_resumes_from_the_directory_moved_aside(tmp_path):
+    """A crash between the two renames of a directory save leaves only last.ckpt.old: auto resumes from it."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    assert resolve_ckpt_path("auto", tmp_path) is None
+    shards(ckpts / "last.ckpt.old", 1.0)
+    assert resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt.old")
+    shards(ckpts / "last.ckpt", 2.0)
+    assert resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt")
+
+
+class Killed(BaseException):
+    pass
+
+
+class FakeStrategy:
+    def remove_checkpoint(self, path):
+        Path(path).unlink(missing_ok=True)
+
+    def barrier(self, name=None):
+        pass
+
+
+class FakeTrainer:
+    """Enough of a Trainer for ModelCheckpoint._save_checkpoint; its save dies halfway when told to."""
+
+    is_global_zero, global_step, loggers, strategy = True, 0, [], FakeStrategy()
+
+    def __init__(self, die: bool):
+        self.die = die
+
+    def save_checkpoint(self, path, weights_only=False):
+        save(Path(path), 2.0)
+        if self.die:
+            with open(path, "r+b") as f:
+                f.truncate(100)
+            raise Killed
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path):
+    last = tmp_path / "last.ckpt"
+    save(last, 1.0)
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    with pytest.raises(Killed):
+        callback._save_checkpoint(FakeTrainer(die=True), str(last))
+    assert load_full(last)["state_dict"]["w"][0] == 1.0  # untouched
+    callback._save_checkpoint(FakeTrainer(die=False), str(last))  # the next save clears the leftover
+    assert load_full(last)["state_dict"]["w"][0] == 2.0
+    assert not (tmp_path / "last.ckpt.tmp").exists()
+
+
+def test_truncated_checkpoint_is_one_clear_line(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    save(ckpt, 1.0)
+    ckpt.write_bytes(ckpt.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="last.ckpt is not a readable checkpoint"):
+        kind(ckpt)
+    proc = run("train", f"ckpt_path={ckpt}", "extras.print_config=false", log_dir=tmp_path, check=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and str(ckpt) in last and "truncated" in last
+
+
+def test_resuming_another_runs_checkpoint_continues_in_its_directory(monkeypatch):
+    monkeypatch.delenv("MLPROJECT_RUN_ID", raising=False)
+    continue_run_of_checkpoint(["trainer=cpu", "ckpt_path=logs/train/runs/my-run/checkpoints/last.ckpt"])
+    assert os.environ["MLPROJECT_RUN_ID"] == "my-run"
+    monkeypatch.delenv("MLPROJECT_RUN_ID")
+    continue_run_of_checkpoint(["run_id=new", "ckpt_path=logs/train/runs/my-run/checkpoints/last.ckpt"])
+    continue_run_of_checkpoint(["ckpt_path=/elsewhere/model.ckpt"])
+    assert "MLPROJECT_RUN_ID" not in os.environ  # an explicit run_id wins; a foreign path names no run

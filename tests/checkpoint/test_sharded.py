@@ -1,0 +1,116 @@
+"""Sharded checkpoints (strategy=fsdp, a directory per checkpoint written by every rank): exact resume on
+the same world size, close resume on another world size or from another strategy, eval and export.
+
+The tiny GPT has no dropout and every world size reads the same global batches, so a resume on another
+world size differs from a straight run only by the order of floating-point reductions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpoint.helpers import (
+    assert_bitwise,
+    assert_export_matches,
+    epoch_metrics,
+    kill_at,
+    max_diff,
+    run_dir,
+    strategy,
+    train,
+    weights,
+)
+from tests.conftest import run
+
+DATA = [
+    "data.block_size=32",
+    "data.batch_size=8",
+    "data.val_fraction=0.005",
+    "data.test_fraction=0.005",
+]
+GPT = [
+    "experiment=gpt",
+    *DATA,
+    "model.net.n_layer=2",
+    "model.net.n_head=2",
+    "model.net.n_embd=32",
+    "model.scheduler.warmup_steps=2",
+    "+trainer.limit_train_batches=6",  # 6 steps per epoch, 18 in all
+    "+trainer.limit_val_batches=2",
+    "trainer.max_epochs=3",
+]
+FSDP2 = [*GPT, *strategy("fsdp", 2)]
+CLOSE = 1e-5  # fp32 after 18 AdamW steps; measured differences are ~1e-7
+
+
+def last(log_dir, run_id):
+    return run_dir(log_dir, run_id) / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 9 runs of 1-2 processes one after another
+def test_fsdp_checkpoints_resume_anywhere(tmp_path):
+    train(tmp_path, "straight", *FSDP2, test=True)
+    straight = weights(last(tmp_path, "straight"))
+    assert (last(tmp_path, "straight") / ".metadata").is_file()  # sharded: a directory of shards
+
+    # exact: killed after the epoch-2 checkpoint, resumed with ckpt_path=auto on the same 2 processes
+    proc = train(tmp_path, "epoch", *FSDP2, "ckpt_path=auto", *kill_at(12), check=False)
+    assert proc.returncode != 0
+    epoch2 = tmp_path / "epoch2.ckpt"
+    shutil.copytree(last(tmp_path, "epoch"), epoch2)  # 2 shards, after 12 steps
+    train(tmp_path, "epoch", *FSDP2, "ckpt_path=auto")
+    assert_bitwise(straight, weights(last(tmp_path, "epoch")))
+    assert epoch_metrics(run_dir(tmp_path, "epoch")) == epoch_metrics(run_dir(tmp_path, "straight"))
+
+    diffs = {}
+    # 2 -> 1 process (resharded), checkpoint every 2 steps, killed at step 15: its last.ckpt is 1 shard, mid-epoch
+    one = [*GPT, *strategy("fsdp", 1), "callbacks.model_checkpoint.every_n_train_steps=2"]
+    proc = train(tmp_path, "one", *one, f"ckpt_path={epoch2}", *kill_at(15), check=False)
+    assert proc.returncode != 0
+    # ... and on to 2 processes again, from the middle of the last epoch
+    train(tmp_path, "two", *FSDP2, f"ckpt_path={last(tmp_path, 'one')}")
+    diffs["fsdp 2 -> 1 -> 2"] = max_diff(straight, weights(last(tmp_path, "two")))
+    # sharded -> one plain process (converted on load)
+    train(tmp_path, "single", *GPT, *strategy("single"), f"ckpt_path={epoch2}")
+    diffs["fsdp 2 -> single"] = max_diff(straight, weights(last(tmp_path, "single")))
+    # a ddp file checkpoint -> fsdp on 2 processes
+    proc = train(tmp_path, "ddp", *GPT, *strategy("ddp", 2), *kill_at(12), check=False)
+    assert proc.returncode != 0
+    train(tmp_path, "ddp2fsdp", *FSDP2, f"ckpt_path={last(tmp_path, 'ddp')}")
+    diffs["ddp -> fsdp"] = max_diff(straight, weights(last(tmp_path, "ddp2fsdp")))
+    print("max |param - straight run's|:", diffs)
+    assert all(d < CLOSE for d in diffs.values()), diffs
+
+    # eval on one process reads the sharded checkpoint and gets the straight run's test metrics
+    best = max(run_dir(tmp_path, "straight").glob("checkpoints/epoch_*.ckpt"))
+    run("eval", "model=gpt", "data=text", *DATA, f"ckpt_path={best}", "extras.print_config=false", log_dir=tmp_path)
+    (eval_dir,) = (tmp_path / "eval" / "runs").iterdir()
+    tested = json.loads((eval_dir / "metrics.json").read_text())
+    assert tested == pytest.approx(json.loads((run_dir(tmp_path, "straight") / "metrics.json").read_text()), rel=1e-5)
+
+    # export from a sharded and from a ddp checkpoint, through the command line once
+    x = torch.randint(0, 256, (2, 32))
+    assert_export_matches(last(tmp_path, "straight"), tmp_path / "fsdp.pt", x)
+    assert_export_matches(last(tmp_path, "ddp"), tmp_path / "ddp.pt", x)
+    out = tmp_path / "cli.pt"
+    run_export = ["-m", "mlproject.export", f"ckpt_path={last(tmp_path, 'straight')}", f"out={out}"]
+    assert_cli(run_export)
+    assert (
+        torch.load(out, weights_only=True)["state_dict"].keys() == torch.load(tmp_path / "fsdp.pt")["state_dict"].keys()
+    )
+
+
+def assert_cli(args: list[str]) -> None:
+    import subprocess
+    import sys
+
+    from mlproject.config import PROJECT_ROOT
+    from tests.conftest import clean_env
+
+    proc = subprocess.run([sys.executable, *args], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
