@@ -31,7 +31,9 @@ def test_two_nodes_by_env_world_2(tmp_path, single_reference):
     port = str(free_port())
     cmd = [sys.executable, "-m", "mlproject.train", *EXACT, f"paths.log_dir={tmp_path}"]
     cmd += ["strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1", "run_id=two_nodes"]
-    envs = [clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(r)) for r in range(2)]
+    # Two "machines" share these cores: one thread each (Lightning would give each node all the cores).
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+    envs = [clean_env(**env, NODE_RANK=str(r)) for r in range(2)]
     run_nodes([cmd, cmd], envs)
     (run_dir,) = run_dirs(tmp_path)
     assert_same_training(torch.load(run_dir / "steps.pt"), single_reference, rtol=1e-5, atol=1e-5)
