@@ -18,3 +18,10 @@ def test_ddp_two_processes_match_single_process_at_every_step(tmp_path, single_r
     """
     got = train_steps(tmp_path, "strategy=ddp", "trainer.devices=2")
     assert_same_training(got, single_reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_spawn_matches_single_process(tmp_path, single_reference):
+    """The notebook-friendly launcher (processes started inside trainer.fit) trains the same model."""
+    got = train_steps(tmp_path, "strategy=ddp_spawn", "trainer.devices=2")
+    assert_same_training(got, single_reference, rtol=1e-5, atol=1e-5)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
+
+from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from mlproject.utils.logging import get_logger
 
@@ -34,3 +39,28 @@ def wandb_logger(offline: bool | None = None, **kwargs):
                 "upload later with `wandb sync <run dir>/wandb/offline-run-*`"
             )
     return WandbLogger(offline=offline, resume="allow", **kwargs)
+
+
+class CSVLogger(_CSVLogger):
+    """Lightning's CSVLogger, able to append to a metrics.csv that another process wrote.
+
+    With strategy=ddp_spawn, fit and test run in fresh processes that get the logger as it was before
+    fit: it does not know the columns fit wrote, and rewriting the file with only its own fails
+    ("dict contains fields not in fieldnames"). Reading the header first fixes that.
+    """
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+class _AppendingWriter(ExperimentWriter):
+    def _record_new_keys(self) -> set[str]:
+        if not self.metrics_keys and self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                self.metrics_keys = next(csv.reader(f), [])
+        return super()._record_new_keys()
