@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 ARGS   ?=
 CKPT   ?=
 # `make train trainer.max_epochs=3` works too: command-line variables that are not ours are overrides.
-OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=%,$(MAKEOVERRIDES)) $(ARGS)
+OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=% NAME=% EXAMPLES=%,$(MAKEOVERRIDES)) $(ARGS)
 
 .PHONY: help install train eval test test-fast lint format clean
 
@@ -50,6 +50,18 @@ lint: install ## ruff lint and format check
 format: install ## ruff auto-fix and format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+.PHONY: submit submit-dryrun
+submit: install ## submit training to SLURM: make submit ARGS="cluster.nodes=2 trainer=gpu strategy=ddp" (see README)
+	$(PY) -m mlproject.submit $(OVERRIDES)
+
+submit-dryrun: install ## print the sbatch script `make submit` would submit, without submitting
+	$(PY) -m mlproject.submit --dry-run $(OVERRIDES)
+
+.PHONY: rename
+rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=digits] (see README)
+	@test -n "$(NAME)" || { echo "error: give the package name, e.g. make rename NAME=my_project" >&2; exit 2; }
+	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES))
 
 clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info

@@ -23,6 +23,7 @@ GROUP_OPTIONS = [
         "strategy",
         "callbacks",
         "logger",
+        "cluster",
         "debug",
         "experiment",
         "hparams_search",

@@ -15,6 +15,7 @@ CASES = {
     "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
     "no gpu": (["trainer=gpu"], "use trainer=cpu"),
     "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
+    "fsdp without configure_model": (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp"),
 }
 
 

@@ -143,6 +143,11 @@ def world_size(cfg: DictConfig) -> int:
     return devices * int(cfg.trainer.get("num_nodes", 1))
 
 
+def data_parallel_size(cfg: DictConfig) -> int:
+    """Processes that read different batches: a tensor-parallel group reads one batch together."""
+    return world_size(cfg) // int((cfg.get("strategy") or {}).get("tensor_parallel_size", 1))
+
+
 def per_device_batch_size(batch_size: int, world: int, accumulate: int = 1) -> int:
     """The global batch size split over processes and accumulation steps; it must divide exactly."""
     if batch_size % (world * accumulate):
@@ -187,7 +192,10 @@ def preflight(cfg: DictConfig) -> None:
     """Every impossible setting, caught before anything is built, with the fix in one line."""
     import torch
 
+    from mlproject.cluster.slurm import check_in_job
+
     check_override_types(cfg)
+    check_in_job(cfg)
     accelerator, world = cfg.trainer.accelerator, world_size(cfg)
     if accelerator in ("gpu", "cuda"):
         if not torch.cuda.is_available():
@@ -209,8 +217,12 @@ def preflight(cfg: DictConfig) -> None:
             f"trainer.precision={precision} needs a CUDA GPU (on CPU Lightning would silently use bf16); "
             "use trainer.precision=32-true or bf16-mixed"
         )
+    from mlproject.distributed.strategies import check_model_parallel
+
+    check_model_parallel(cfg)
     if "data" in cfg and "batch_size" in cfg.data:
-        per_device_batch_size(cfg.data.batch_size, world, cfg.trainer.get("accumulate_grad_batches", 1))
+        accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+        per_device_batch_size(cfg.data.batch_size, data_parallel_size(cfg), accumulate)
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.config import check_monitors, hydra_entry, preflight
+from mlproject.config import check_monitors, data_parallel_size, hydra_entry, preflight
 
 
 @hydra_entry("train")
@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
         logger=instantiate_all(cfg.get("logger")) or False,
         plugins=[SyncBatchNormPlugin()] if cfg.trainer.get("sync_batchnorm") else None,
     )
-    world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+    world, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
     log.info(
         f"effective batch size {cfg.data.batch_size} = {datamodule.per_device_batch_size_for(world, accumulate)} "
         f"per device x {world} device(s) x {accumulate} accumulation step(s); precision {trainer.precision}"

@@ -66,8 +66,9 @@ class DataModule(L.LightningDataModule):
         self.test_set: Dataset | None = None
 
     def _world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        return (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        # The strategy's data-parallel size and rank, not the world's: a tensor-parallel group reads one batch.
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer else None
+        return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
     def per_device_batch_size_for(self, world: int, accumulate: int = 1) -> int:
         return per_device_batch_size(self.batch_size, world, accumulate)

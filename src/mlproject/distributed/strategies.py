@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from omegaconf import DictConfig
+
+from mlproject.config import ConfigError, world_size
+
 
 def single(timeout: float | None = None):
     """One process: Lightning's 'auto' resolves to SingleDeviceStrategy when devices=1 (preflight checks).
@@ -36,3 +40,47 @@ def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kw
         timeout=timedelta(seconds=timeout),
         **kwargs,
     )
+
+
+def model_parallel(timeout: float = 1800, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):
+    """FSDP2 and/or tensor parallelism, applied by the model's configure_model (distributed/parallel.py)."""
+    from mlproject.distributed.parallel import ModelParallel
+
+    return ModelParallel(tensor_parallel_size, fsdp, timeout=timedelta(seconds=timeout), **kwargs)
+
+
+def check_model_parallel(cfg: DictConfig) -> None:
+    """Preflight for strategy=fsdp|tp|fsdp_tp: settings that cannot work, refused before any process starts."""
+    strategy = cfg.get("strategy") or {}
+    if not str(strategy.get("_target_", "")).endswith("model_parallel"):
+        return
+    world, tp, sharded = world_size(cfg), int(strategy.get("tensor_parallel_size", 1)), strategy.get("fsdp") is not None
+    name = "fsdp" if tp == 1 else "fsdp_tp" if sharded else "tp"
+    if tp < 1 or world % tp:
+        raise ConfigError(
+            f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
+            "(trainer.devices x trainer.num_nodes); change one of them"
+        )
+    if not sharded and tp != world:
+        raise ConfigError(
+            f"strategy=tp puts all {world} process(es) in one tensor-parallel group but "
+            f"strategy.tensor_parallel_size={tp}; set it to {world}, or use strategy=fsdp_tp to add data parallelism"
+        )
+    heads = (cfg.model.get("net") or {}).get("n_head")
+    if heads is not None and heads % tp:
+        raise ConfigError(f"model.net.n_head={heads} must divide by strategy.tensor_parallel_size={tp}")
+    import torch
+
+    if (strategy.get("fsdp") or {}).get("cpu_offload") and (
+        cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available()
+    ):
+        raise ConfigError("strategy.fsdp.cpu_offload=true moves GPU memory to the CPU; without a GPU set it to false")
+    from hydra.utils import get_class
+    from lightning.pytorch import LightningModule
+
+    model_cls = get_class(cfg.model._target_)  # imports Lightning: the last check
+    if model_cls.configure_model is LightningModule.configure_model:
+        raise ConfigError(
+            f"strategy={name} needs a model whose configure_model splits it (e.g. model=gpt); "
+            f"{model_cls.__name__} has none; use strategy=ddp"
+        )

@@ -40,3 +40,23 @@ class ClassificationMetrics(nn.Module):
 
     def items(self) -> dict[str, Metric]:
         return {**self.scores, "loss": self.loss, "samples": self.samples}
+
+
+class LanguageModelMetrics(nn.Module):
+    """Next-token acc and the token-weighted mean loss over real tokens, and the number of sequences counted."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.acc = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=IGNORE_INDEX)
+        self.loss, self.samples = MeanMetric().set_dtype(torch.float64), SumMetric()  # float64: see above
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        """logits (batch, time, vocab), target (batch, time); padded sequences are all IGNORE_INDEX."""
+        logits, flat = logits.flatten(0, 1).float(), target.flatten()
+        losses = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="none")
+        self.loss.update(losses.double(), weight=(flat != IGNORE_INDEX).double())
+        self.samples.update((target != IGNORE_INDEX).any(dim=1).sum())
+        self.acc.update(logits, flat)
+
+    def items(self) -> dict[str, Metric]:
+        return {"acc": self.acc, "loss": self.loss, "samples": self.samples}

@@ -1,0 +1,118 @@
+"""The sbatch script of a training job, written from the composed config, and the checks before submission."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from omegaconf import DictConfig
+
+from mlproject.config import ConfigError, data_parallel_size, per_device_batch_size, world_size
+
+# srun starts every process; the rendezvous address is the first node's address as SLURM knows it
+# (its NodeAddr, which resolves even where node names do not), the port is derived from the job id.
+RENDEZVOUS = [
+    'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    "export MASTER_ADDR=$(scontrol show node \"$head\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+    "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 40000))",
+]
+
+
+def check(cfg: DictConfig) -> None:
+    """With cluster=slurm, the Trainer must ask for exactly what the sbatch header allocates."""
+    c = cfg.get("cluster") or {}
+    if c.get("scheduler") != "slurm":
+        return
+    for key in ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time_min", "signal_seconds"):
+        least = 0 if key == "gpus_per_node" else 1
+        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < least:
+            raise ConfigError(f"cluster.{key}={c[key]!r} should be a whole number >= {least}")
+    t = cfg.trainer
+    if t.num_nodes != c.nodes:
+        raise ConfigError(
+            f"trainer.num_nodes={t.num_nodes} but cluster.nodes={c.nodes}; set cluster.nodes only "
+            "(trainer.num_nodes follows it)"
+        )
+    if t.devices != c.tasks_per_node:
+        raise ConfigError(
+            f"trainer.devices={t.devices} but cluster.tasks_per_node={c.tasks_per_node}; set cluster.gpus_per_node "
+            "(or cluster.tasks_per_node on CPU nodes) only (trainer.devices follows it)"
+        )
+    if c.gpus_per_node and c.tasks_per_node != c.gpus_per_node:
+        raise ConfigError(
+            f"cluster.tasks_per_node={c.tasks_per_node} but cluster.gpus_per_node={c.gpus_per_node}; "
+            "DDP runs one process per GPU: leave tasks_per_node at its default"
+        )
+    if c.gpus_per_node and t.accelerator == "cpu":
+        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} with trainer=cpu; use trainer=gpu")
+    if not c.gpus_per_node and t.accelerator in ("gpu", "cuda"):
+        raise ConfigError("trainer.accelerator=gpu but cluster.gpus_per_node=0; set cluster.gpus_per_node")
+
+
+def check_in_job(cfg: DictConfig) -> None:
+    """Inside the job (preflight): every process must be an srun task, else Lightning waits for the missing ones."""
+    if (cfg.get("cluster") or {}).get("scheduler") == "slurm" and "SLURM_STEP_ID" not in os.environ:
+        raise ConfigError(
+            "cluster=slurm runs one srun task per device inside a SLURM job; submit it with "
+            "`python -m mlproject.submit ...` (or drop cluster=slurm to run here)"
+        )
+    check(cfg)
+
+
+def check_before_submit(cfg: DictConfig) -> None:
+    """What preflight would refuse in the job, minus what only the compute nodes can tell (their GPUs)."""
+    if (cfg.get("cluster") or {}).get("scheduler") != "slurm":
+        raise ConfigError("mlproject.submit needs a SLURM cluster config; use cluster=slurm (the default of submit)")
+    check(cfg)
+    world = world_size(cfg)
+    if cfg.strategy.get("_target_", "").endswith(".single") and world > 1:
+        raise ConfigError(f"strategy=single runs one process but the job has {world}; use strategy=ddp")
+    if "batch_size" in cfg.get("data", {}):
+        accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+        per_device_batch_size(cfg.data.batch_size, data_parallel_size(cfg), accumulate)  # TP groups share a batch
+
+
+def sbatch_script(cfg: DictConfig, overrides: list[str], workdir: str, output: str) -> str:
+    """The job: one srun task per device, each running `python -m mlproject.train` with the same overrides.
+
+    The run directory is keyed on SLURM_JOB_ID (config.run_id), so all tasks and all requeues share it,
+    and `ckpt_path=auto` makes a requeued job resume there (unless the overrides set ckpt_path).
+    """
+    c = cfg.cluster
+    options = {
+        "job-name": cfg.task_name,
+        "nodes": c.nodes,
+        "ntasks-per-node": c.tasks_per_node,
+        "gpus-per-node": c.gpus_per_node or None,
+        "cpus-per-task": c.cpus_per_task,
+        "mem": f"{c.mem_gb}G" if c.mem_gb else None,
+        "time": c.time_min,
+        "partition": c.partition,
+        "account": c.account,
+        "qos": c.qos,
+        "constraint": c.constraint,
+        "signal": f"USR1@{c.signal_seconds}",  # to every task, not the batch shell: mlproject.cluster.requeue
+        "requeue": True,
+        "open-mode": "append",  # a requeued job appends to the same log
+        "chdir": workdir,
+        "output": output,
+    }
+    header = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in options.items() if v is not None]
+    header += [f"#SBATCH {line}" for line in c.extra_sbatch]
+    if not any(o.startswith("ckpt_path=") for o in overrides):
+        overrides = [*overrides, "ckpt_path=auto"]
+    train = [c.python or sys.executable, "-m", "mlproject.train", *overrides]
+    t = cfg.trainer
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            *header,
+            f"# trainer.num_nodes={t.num_nodes} trainer.devices={t.devices}: {world_size(cfg)} processes",
+            "set -eo pipefail",
+            *([c.setup] if c.setup else []),
+            *RENDEZVOUS,
+            f"srun --kill-on-bad-exit=1 --cpus-per-task={c.cpus_per_task} {shlex.join(train)}",
+            "",
+        ]
+    )

@@ -1,0 +1,124 @@
+"""Model parallelism on Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`) and tensor parallelism.
+
+Lightning builds the device mesh (data_parallel x tensor_parallel) and leaves sharding to the model's
+`configure_model`; every model calls `parallelize` there with its own plan from config: which module
+classes are blocks (FSDP's unit, activation checkpointing's unit) and which layers inside a block are
+split by columns or rows (Megatron-style: column-parallel layers feed row-parallel ones, so each
+attention and MLP needs one all-reduce forward and one backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import get_class
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+
+class ModelParallel(ModelParallelStrategy):
+    """Lightning's strategy plus our FSDP settings, which `parallelize` applies in configure_model.
+
+    `fsdp=None` means no sharding (pure tensor parallelism: every process is in the one TP group).
+    """
+
+    def __init__(self, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
+        self.fsdp = fsdp
+
+    def setup_environment(self) -> None:
+        # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.
+        self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+        super().setup_environment()
+
+
+def blocks_of(model: nn.Module, blocks: list[str]) -> list[nn.Module]:
+    classes = tuple(get_class(name) for name in blocks)
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def apply_tp(model: nn.Module, mesh, blocks: list[str], colwise: list[str], rowwise: list[str]) -> None:
+    """Split the named layers of every block over the tensor-parallel mesh; other layers stay whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in colwise} | {name: RowwiseParallel() for name in rowwise}
+    for block in blocks_of(model, blocks):
+        parallelize_module(block, mesh, plan)
+
+
+def apply_ac(model: nn.Module, blocks: list[str]) -> None:
+    """Recompute each block's activations in backward instead of keeping them (less memory, ~1/3 more compute)."""
+    from torch.distributed._composable import checkpoint  # composable: module names and state_dict keys stay
+
+    for block in blocks_of(model, blocks):
+        checkpoint(block)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    blocks: list[str],
+    reshard_after_forward: bool = True,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    cpu_offload: bool = False,
+) -> None:
+    """Shard every block on its own (its parameters are gathered only while it runs), then the rest."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    param_dtype, reduce_dtype = (getattr(torch, name) if name else None for name in (param_dtype, reduce_dtype))
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for block in blocks_of(model, blocks):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=()) -> None:
+    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then FSDP.
+
+    A no-op under other strategies and on the second call (Lightning calls configure_model per fit/test).
+    """
+    from torch.distributed.tensor import DTensor
+    from torchmetrics import Metric
+
+    strategy = pl_module.trainer.strategy
+    if not isinstance(strategy, ModelParallel) or any(isinstance(p, DTensor) for p in net.parameters()):
+        return
+    mesh, fsdp = pl_module.device_mesh, dict(strategy.fsdp or {})
+    if mesh["tensor_parallel"].size() > 1:
+        apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
+    if fsdp.pop("activation_checkpointing", False):
+        apply_ac(net, blocks)
+    if strategy.fsdp is not None:
+        apply_fsdp(net, mesh["data_parallel"], blocks, **fsdp)
+    # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
+    for metric in pl_module.modules():
+        if isinstance(metric, Metric):
+            metric.process_group = mesh["data_parallel"].get_group()
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes.
+
+    torch's clip_grad_norm_ stacks the per-tensor norms, which fails for such a mix (tensor parallelism
+    leaves embeddings and norms whole); each DTensor norm is reduced to a plain number first.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    norms = [torch.linalg.vector_norm(p.grad) for p in params]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach needs one tensor type
+    return total
+
+
+def local_bytes(tensors) -> int:
+    """Bytes these tensors occupy on this rank: a DTensor counts its local shard only."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)

@@ -1,0 +1,67 @@
+"""The LightningModule for next-token prediction with the GPT of models/components/gpt.py.
+
+Like the Classifier it takes plain dicts. `parallel` says how strategy=fsdp|tp|fsdp_tp split the
+network (see distributed/parallel.py); under other strategies configure_model does nothing.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch.nn.functional as F
+from hydra.utils import instantiate
+
+from mlproject.config import IGNORE_INDEX
+from mlproject.distributed.parallel import clip_grad_norm_, parallelize
+from mlproject.models.metrics import LanguageModelMetrics
+from mlproject.models.optim import adamw, warmup_cosine
+
+
+class GPTModule(L.LightningModule):
+    def __init__(self, net: dict, optimizer: dict, scheduler: dict, parallel: dict):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = instantiate(net)
+        self.val_metrics = LanguageModelMetrics(net["vocab_size"])
+        self.test_metrics = LanguageModelMetrics(net["vocab_size"])
+
+    @property
+    def synced_metrics(self) -> set[str]:
+        """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
+        return {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
+
+    def configure_model(self):
+        parallelize(self, self.net, **self.hparams.parallel)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+        self.log("train/loss", loss, prog_bar=True)  # this rank's value; no collective per step
+        return loss
+
+    def _evaluate(self, batch, stage: str, metrics: LanguageModelMetrics) -> None:
+        x, y, _ = batch
+        metrics.update(self(x), y)
+        for name, metric in metrics.items().items():
+            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "loss")
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val", self.val_metrics)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test", self.test_metrics)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            clip_grad_norm_(self.parameters(), gradient_clip_val)  # also for tensor-parallel gradients
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self):
+        opt = adamw(self, **self.hparams.optimizer)
+        total = int(self.trainer.estimated_stepping_batches)
+        sched = warmup_cosine(opt, total, **self.hparams.scheduler)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,55 @@
+"""Submit training to SLURM: `python -m mlproject.submit [--dry-run] [overrides]`.
+
+Composes the same config `python -m mlproject.train` would (with cluster=slurm unless another cluster
+is given), refuses settings the job could not run, writes the sbatch script and submits it. The job
+runs `python -m mlproject.train` with the same overrides in every srun task.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from mlproject.cluster.slurm import check_before_submit, sbatch_script
+from mlproject.config import CONFIG_DIR, ConfigError, one_line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    dry_run = "--dry-run" in args
+    overrides = [a for a in args if a != "--dry-run"]
+    if not any(o.lstrip("+~").startswith("cluster=") for o in overrides):
+        overrides = ["cluster=slurm", *overrides]
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides)
+        check_before_submit(cfg)
+        slurm_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
+        script = sbatch_script(cfg, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
+    except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # one line and exit 2, as in train
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(script, end="")
+        return 0
+    slurm_dir.mkdir(parents=True, exist_ok=True)
+    # The job's run_id must be its SLURM_JOB_ID; an id exported in this shell would override it.
+    env = {k: v for k, v in os.environ.items() if k != "MLPROJECT_RUN_ID"}
+    proc = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True, env=env)
+    if proc.returncode != 0:
+        print(f"error: sbatch refused the job: {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    job = proc.stdout.strip().split(";")[0]  # "<job id>[;<cluster>]"
+    run_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "runs" / job
+    print(f"submitted SLURM job {job}\n  log: {slurm_dir / (job + '.out')}\n  run directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""`mlproject.submit` without a cluster: the script it writes, and the settings it refuses before sbatch."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from mlproject import submit
+from mlproject.cluster.slurm import RENDEZVOUS, check_in_job
+from mlproject.config import ConfigError, world_size
+
+GPU_4X8 = ["cluster.nodes=4", "cluster.gpus_per_node=8", "trainer=gpu", "strategy=ddp", "data.batch_size=256"]
+
+
+@pytest.fixture
+def no_sbatch(monkeypatch):
+    """Fail the test if submit gets as far as running sbatch."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"submitted: {args}")
+
+    monkeypatch.setattr(submit.subprocess, "run", refuse)
+
+
+def test_dry_run_four_nodes_of_eight_gpus(capsys, compose_cfg, no_sbatch):
+    assert submit.main(["--dry-run", *GPU_4X8]) == 0
+    script = capsys.readouterr().out
+    header = {line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")}
+    assert {"--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@120", "--requeue"} <= header
+    assert all(line in script.splitlines() for line in RENDEZVOUS)
+    assert "# trainer.num_nodes=4 trainer.devices=8: 32 processes" in script
+    # The job runs train with these overrides in every task; composed as it will, the Trainer agrees with the header.
+    srun = shlex.split(script.splitlines()[-1])
+    assert srun[:2] == ["srun", "--kill-on-bad-exit=1"]
+    overrides = srun[srun.index("mlproject.train") + 1 :]
+    assert overrides[0] == "cluster=slurm" and "ckpt_path=auto" in overrides
+    cfg = compose_cfg(*overrides)
+    assert (cfg.trainer.num_nodes, cfg.trainer.devices, world_size(cfg)) == (4, 8, 32)
+    assert cfg.callbacks.requeue._target_ == "mlproject.cluster.requeue.Requeue"
+    assert cfg.trainer.plugins[0].auto_requeue is False  # one requeue owner: the callback
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.devices=4", "trainer.devices=4 but cluster.tasks_per_node=8"),
+        ("trainer.num_nodes=2", "trainer.num_nodes=2 but cluster.nodes=4"),
+        ("cluster.tasks_per_node=4", "one process per GPU"),
+        ("trainer=cpu", "use trainer=gpu"),
+        ("strategy=single", "use strategy=ddp"),
+        ("data.batch_size=100", "must divide by world size 32"),
+        ("cluster.nodes=two", "cluster.nodes='two' should be a whole number >= 1"),
+    ],
+)
+def test_mismatch_is_refused_before_submission(capsys, no_sbatch, override, message):
+    assert submit.main([*GPU_4X8, override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_submit_needs_a_scheduler(capsys, no_sbatch):
+    assert submit.main(["cluster=local"]) == 2
+    assert "use cluster=slurm" in capsys.readouterr().err
+
+
+def test_train_with_cluster_slurm_outside_a_job_is_refused(compose_cfg, monkeypatch):
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    cfg = compose_cfg("cluster=slurm", "cluster.gpus_per_node=0", "cluster.tasks_per_node=2", "trainer=cpu")
+    with pytest.raises(ConfigError, match="mlproject.submit"):
+        check_in_job(cfg)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    check_in_job(cfg)  # inside an srun task it is fine

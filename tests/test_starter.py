@@ -1,0 +1,257 @@
+"""Starting a project from the template (copier, cookiecutter, `make rename`) and updating it later.
+
+Everything is offline: the template is this working tree, committed into a temporary git repository.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlproject.config import PROJECT_ROOT
+
+from .conftest import clean_env
+
+spec = importlib.util.spec_from_file_location("rename_project", PROJECT_ROOT / "scripts" / "rename_project.py")
+rename_project = sys.modules["rename_project"] = importlib.util.module_from_spec(spec)  # scripts/ is no package
+spec.loader.exec_module(rename_project)
+
+OLD = "mlproject"
+ANSWERS = {
+    "project_name": "Cool Net",
+    "author": "Ada Lovelace",
+    "description": 'Nets that are "cool" \\o/',  # quotes and a backslash survive into TOML
+    "license": "Apache-2.0",
+}
+
+
+@pytest.fixture(scope="module")
+def tool_env(tmp_path_factory) -> dict[str, str]:
+    """git, copier and cookiecutter with a throw-away HOME: no user config in, no replay files out."""
+    home = tmp_path_factory.mktemp("home")
+    git_id = dict(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    return clean_env(HOME=str(home), GIT_CONFIG_NOSYSTEM="1", **git_id)
+
+
+def sh(*cmd, cwd: Path, env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """This working tree as git sees it (tracked or not ignored): what copier takes from a dirty template."""
+    for path in rename_project.project_files(src):
+        target = dst / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory, tool_env) -> Path:
+    """The template as a local git repository tagged v1."""
+    repo = tmp_path_factory.mktemp("tpl") / "template"
+    copy_tree(PROJECT_ROOT, repo)
+    sh("git", "init", "-q", "-b", "main", cwd=repo, env=tool_env)
+    sh("git", "add", "-A", cwd=repo, env=tool_env)
+    sh("git", "commit", "-qm", "v1", cwd=repo, env=tool_env)
+    sh("git", "tag", "v1", cwd=repo, env=tool_env)
+    return repo
+
+
+def copier_copy(template: Path, dst: Path, env: dict) -> Path:
+    data = [f"--data={key}={value}" for key, value in {**ANSWERS, "examples": '["digits"]'}.items()]
+    cmd = [sys.executable, "-m", "copier", "copy", "--trust", "--defaults", "--vcs-ref=v1", *data, template, dst]
+    sh(*cmd, cwd=dst.parent, env=env)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def copier_project(template, tmp_path_factory, tool_env) -> Path:
+    return copier_copy(template, tmp_path_factory.mktemp("copier") / "cool-net", tool_env)
+
+
+def tree(root: Path) -> dict[str, tuple[bytes, bool]]:
+    """path -> (content, executable) for every file outside .git."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), bool(p.stat().st_mode & stat.S_IXUSR))
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".git" not in p.relative_to(root).parts
+    }
+
+
+def leftovers(root: Path, word: str = OLD) -> list[str]:
+    found = []
+    for rel, (data, _) in tree(root).items():
+        if word in rel.lower():
+            found.append(rel)
+        found += [f"{rel}:{i + 1}" for i, line in enumerate(data.splitlines()) if word.encode() in line.lower()]
+    return found
+
+
+def test_copier_renames_everything(copier_project):
+    root = copier_project
+    assert not leftovers(root), leftovers(root)
+    assert (root / "src/cool_net/train.py").is_file() and not (root / "src" / OLD).exists()
+    # The template's starter machinery stays behind; copier records what it needs for updates.
+    for rel in rename_project.TEMPLATE_ONLY:
+        assert not (root / rel).exists(), rel
+    dropped = [ex for name, ex in rename_project.EXAMPLES.items() if name != "digits"]
+    assert not any(rename_project.present(root, "cool_net", ex) for ex in dropped)
+    readmes = [p for p in root.rglob("*.md") if "template-only" in p.read_text()]
+    assert not readmes  # the README sections about starting a project from the template are gone
+    answers = (root / ".copier-answers.yml").read_text()
+    assert "_commit: v1" in answers and "package_name: cool_net" in answers
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'name = "cool_net"' in pyproject
+    assert r'description = "Nets that are \"cool\" \\o/"' in pyproject
+    assert 'license = { text = "Apache-2.0" }' in pyproject
+    assert 'authors = [{ name = "Ada Lovelace" }]' in pyproject
+    assert "COOL_NET_RUN_ID" in (root / "src/cool_net/config.py").read_text()
+    assert "project: cool_net" in (root / "configs/logger/wandb.yaml").read_text()
+    assert "-m cool_net.train" in (root / "Makefile").read_text()
+
+
+@pytest.mark.slow
+def test_copier_project_passes_its_tests_and_trains(copier_project, tmp_path):
+    """The generated project's config tests for its example (compose, instantiate, comments) and a 1-epoch train."""
+    root = copier_project
+    env = clean_env(PYTHONPATH=str(root / "src"), COOL_NET_RUN_ID="first")
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py"]
+    sh(*pytest_cmd, "-k", "digits or comment or eval", cwd=root, env=env, timeout=300)
+    limits = [f"+trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]
+    overrides = ["trainer.max_epochs=1", "extras.print_config=false", f"paths.log_dir={tmp_path}", *limits]
+    sh(sys.executable, "-m", "cool_net.train", *overrides, cwd=root, env=env, timeout=300)
+    metrics = json.loads((tmp_path / "train/runs/first/metrics.json").read_text())  # the renamed env var names the run
+    assert 0 <= metrics["test/acc"] <= 1
+
+
+def test_cookiecutter_gives_the_same_project(template, copier_project, tmp_path, tool_env):
+    context = [f"{key}={value}" for key, value in {**ANSWERS, "examples": "digits"}.items()]
+    cmd = [sys.executable, "-m", "cookiecutter", "--no-input", template, "--directory=starters/cookiecutter", *context]
+    sh(*cmd, cwd=tmp_path, env=tool_env)
+    made = tree(tmp_path / "cool_net")
+    expected = tree(copier_project)
+    expected.pop(".copier-answers.yml")
+    assert sorted(made) == sorted(expected)
+    assert [rel for rel in made if made[rel] != expected[rel]] == []
+
+
+def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tmp_path, tool_env):
+    env = tool_env
+    sh("git", "clone", "-q", template, tmp_path / "template", cwd=tmp_path, env=env)  # v2 goes on a copy
+    template = tmp_path / "template"
+    root = copier_copy(template, tmp_path / "proj", env)
+    sh("git", "init", "-q", "-b", "main", cwd=root, env=env)
+    sh("git", "add", "-A", cwd=root, env=env)
+    sh("git", "commit", "-qm", "start from the template", cwd=root, env=env)
+    # The user's own edits: one line the template will not touch, one it will.
+    optim = root / "src/cool_net/models/optim.py"
+    optim.write_text(optim.read_text() + "# tuned for my data\n")
+    train_yaml = root / "configs/train.yaml"
+    train_yaml.write_text(re.sub(r"^seed:.*$", "seed: 7  # mine", train_yaml.read_text(), count=1, flags=re.M))
+    sh("git", "commit", "-qam", "my edits", cwd=root, env=env)
+    # The template's v2: a new module that imports the package, and the same seed line changed.
+    (template / "src/mlproject/utils/news.py").write_text(f'"""New in v2."""\n\nfrom {OLD}.config import ConfigError\n')
+    tpl_train = template / "configs/train.yaml"
+    tpl_train.write_text(re.sub(r"^seed:.*$", "seed: 0  # v2", tpl_train.read_text(), count=1, flags=re.M))
+    sh("git", "add", "-A", cwd=template, env=env)
+    sh("git", "commit", "-qm", "v2", cwd=template, env=env)
+    sh("git", "tag", "v2", cwd=template, env=env)
+
+    sh(sys.executable, "-m", "copier", "update", "--trust", "--defaults", cwd=root, env=env)
+
+    assert "_commit: v2" in (root / ".copier-answers.yml").read_text()
+    assert (root / "src/cool_net/utils/news.py").read_text().endswith("from cool_net.config import ConfigError\n")
+    assert optim.read_text().endswith("# tuned for my data\n")
+    merged = train_yaml.read_text()  # both sides changed the line: a conflict, not a silent overwrite
+    assert "<<<<<<< before updating" in merged and "seed: 7  # mine" in merged and "seed: 0  # v2" in merged
+    unmerged = sh("git", "diff", "--name-only", "--diff-filter=U", cwd=root, env=env).stdout.split()
+    assert unmerged == ["configs/train.yaml"]
+    assert not leftovers(root), leftovers(root)
+    assert not (root / "src" / OLD).exists()
+    dropped = [ex for name, ex in rename_project.EXAMPLES.items() if name != "digits"]
+    assert not any(rename_project.present(root, "cool_net", ex) for ex in dropped)  # stay dropped
+
+
+def test_make_rename_in_a_plain_clone(tmp_path, tool_env):
+    root = tmp_path / "clone"
+    copy_tree(PROJECT_ROOT, root)
+    sh("make", "rename", "NAME=cool_net", "EXAMPLES=digits", cwd=root, env=tool_env)
+    assert not leftovers(root), leftovers(root)
+    before = tree(root)
+    sh("make", "rename", "NAME=cool_net", "EXAMPLES=digits", cwd=root, env=tool_env)  # idempotent
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize(
+    ("name", "examples", "error"),
+    [
+        ("Cool-Net", "digits", "not a lower-case Python identifier"),
+        ("import", "digits", "not a lower-case Python identifier"),
+        (f"my_{OLD}", "digits", "contains the old name"),
+        ("cool_net", "digits,nope", "unknown example"),
+        ("cool_net", "", "keep at least one example"),
+    ],
+)
+def test_rename_refuses_before_changing_anything(tmp_path, name, examples, error):
+    root = tmp_path / "clone"
+    copy_tree(PROJECT_ROOT, root)
+    before = tree(root)
+    proc = subprocess.run(
+        [sys.executable, "scripts/rename_project.py", name, f"--examples={examples}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and error in proc.stderr
+    assert tree(root) == before
+
+
+def modules(paths: list[Path], root: Path) -> list[str]:
+    src = root / "src"
+    return [".".join(p.relative_to(src).with_suffix("").parts) for p in paths if p.suffix == ".py" and src in p.parents]
+
+
+@pytest.mark.parametrize("dropped", list(rename_project.EXAMPLES))
+def test_dropping_an_example_leaves_no_reference_to_it(tmp_path, dropped):
+    """The example table lists every file of an example: nothing kept imports or composes a dropped file."""
+    root = tmp_path / "clone"
+    copy_tree(PROJECT_ROOT, root)
+    example = rename_project.EXAMPLES[dropped]
+    files = [p for pattern in example.paths for p in root.glob(pattern.format(pkg=OLD))]
+    keep = [e for e, ex in rename_project.EXAMPLES.items() if e != dropped and rename_project.present(root, OLD, ex)]
+    proc = subprocess.run(
+        [sys.executable, "scripts/rename_project.py", "cool_net", f"--examples={','.join(keep)}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    if not keep:  # the template's only example: refused, since train.yaml needs a default
+        assert proc.returncode == 2 and "keep at least one example" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    gone = [m.replace(OLD, "cool_net", 1) for m in modules(files, root)]
+    configs = [(p.parent.name, p.stem) for p in files if p.suffix == ".yaml" and p.parent.parent.name == "configs"]
+    refs = []  # code and configs only: prose (READMEs, error hints) may still name a dropped example
+    for rel, (data, _) in tree(root).items():
+        if not rel.endswith((".py", ".yaml", ".ipynb")):
+            continue
+        text = data.decode(errors="replace")
+        refs += [f"{rel}: {m}" for m in gone if re.search(rf"\b{re.escape(m)}\b", text)]
+        refs += [f"{rel}: {g}: {o}" for g, o in configs if re.search(rf"^\s*-?\s*(override /)?{g}: {o}\b", text, re.M)]
+        if rel.startswith("tests/"):  # overrides, e.g. compose_cfg("model=gpt")
+            refs += [f"{rel}: {g}={o}" for g, o in configs if re.search(rf"\b{g}={o}\b", text)]
+    assert not refs, refs
+    assert all(not p.exists() for p in files)
