@@ -55,6 +55,11 @@ EXAMPLES = {
             "tests/test_train.py",  # the shipped default run: >= 95% on digits
             "tests/distributed/test_exact_eval.py",  # exact evaluation, proven on digits splits
             "tests/distributed/eval_worker.py",
+            "tests/distributed/conftest.py",  # strategies against a single process, on the digits CNN
+            "tests/distributed/steps.py",
+            "tests/distributed/test_ddp.py",
+            "tests/distributed/test_deepspeed.py",
+            "scripts/bench.py",  # template vs plain loop on the digits CNN
             "notebooks/*digits*",
         ),
         defaults={"data": "digits", "model": "digits"},

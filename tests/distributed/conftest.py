@@ -13,6 +13,8 @@ STEPS = 20
 # fp32, fixed seed, dropout 0, the same global batch (64) on any world size; SyncBN so that BatchNorm sees
 # the global batch too (plain DDP normalises each rank's half-batch on its own, a different model).
 EXACT = [
+    "data=digits",
+    "model=digits",
     "trainer=cpu",
     "callbacks=none",
     "~logger",

@@ -1,55 +1,10 @@
-"""Multi-node on localhost (plain env and torchrun), and the launch checks preflight makes."""
+"""Launches that cannot work fail before any process starts, with one line that says how to fix them."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-import torch
 
-from mlproject.config import PROJECT_ROOT
-from tests.conftest import clean_env, run, run_dirs
-from tests.distributed.conftest import EXACT, assert_same_training
-from tests.distributed.test_syncbn import free_port
-
-
-def run_nodes(commands: list[list[str]], envs: list[dict], timeout: int = 300) -> None:
-    """Start every 'node' at once (they wait for each other at rendezvous) and require all to succeed."""
-    procs = [
-        subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd, env in zip(commands, envs, strict=True)
-    ]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-
-
-@pytest.mark.slow
-def test_two_nodes_by_env_world_2(tmp_path, single_reference):
-    """NODE_RANK / MASTER_ADDR / MASTER_PORT, one process per node: one run directory, same training."""
-    port = str(free_port())
-    cmd = [sys.executable, "-m", "mlproject.train", *EXACT, f"paths.log_dir={tmp_path}"]
-    cmd += ["strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1", "run_id=two_nodes"]
-    envs = [clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(r)) for r in range(2)]
-    run_nodes([cmd, cmd], envs)
-    (run_dir,) = run_dirs(tmp_path)
-    assert_same_training(torch.load(run_dir / "steps.pt"), single_reference, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_two_nodes_by_torchrun_world_4(tmp_path, single_reference):
-    """torchrun --nnodes 2 --nproc-per-node 2: 4 ranks, 16 samples each, still the single-process training."""
-    port = str(free_port())
-    cmds = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}", "--nproc-per-node=2"]
-        + ["--master-addr=127.0.0.1", f"--master-port={port}", "-m", "mlproject.train", *EXACT]
-        + [f"paths.log_dir={tmp_path}", "strategy=ddp", "trainer.num_nodes=2", "trainer.devices=2", "run_id=torchrun"]
-        for r in range(2)
-    ]
-    run_nodes(cmds, [clean_env(), clean_env()])
-    (run_dir,) = run_dirs(tmp_path)
-    assert_same_training(torch.load(run_dir / "steps.pt"), single_reference, rtol=1e-5, atol=1e-5)
+from tests.conftest import run
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mlproject.distributed.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
-from mlproject.models.components.cnn import SmallCNN
 
 B, C, STEPS, TOL = 4, 3, 3, 1e-5
 
@@ -83,10 +82,14 @@ def test_syncbn_two_processes_equal_one_process_with_twice_the_batch(tmp_path):
     assert (gathered(1, "out") - reference["out"]).abs().max() > 1e-2
 
 
-def test_convert_counts_the_cnn_batchnorm_layers_and_is_plain_batchnorm_without_a_process_group():
-    model, converted = convert_sync_batchnorm(SmallCNN(channels=4, dropout=0.0), cpu=True)
-    assert converted == 4
+def small_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 8), nn.BatchNorm1d(8))
+
+
+def test_convert_counts_batchnorm_layers_and_is_plain_batchnorm_without_a_process_group():
+    model, converted = convert_sync_batchnorm(small_net(), cpu=True)
+    assert converted == 2
     x = torch.randn(6, 1, 8, 8)
-    plain = SmallCNN(channels=4, dropout=0.0)
+    plain = small_net()
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(model(x), plain(x))

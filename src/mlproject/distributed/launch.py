@@ -43,7 +43,10 @@ def check_deepspeed(cfg: DictConfig) -> None:
         return
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("strategy=deepspeed_* needs DeepSpeed; install it with pip install '.[deepspeed]'")
-    precision, cpu = str(cfg.trainer.precision), cfg.trainer.accelerator == "cpu"
+    import torch
+
+    precision = str(cfg.trainer.precision)
+    cpu = cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available()
     if precision.endswith("-true") and precision != "32-true":
         raise ConfigError(
             f"trainer.precision={precision} with DeepSpeed: DeepSpeed keeps fp32 master weights itself, so "

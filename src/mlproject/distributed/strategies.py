@@ -21,6 +21,27 @@ def ddp(timeout: float = 1800, **kwargs):
     return DDPStrategy(timeout=timedelta(seconds=timeout), **kwargs)
 
 
+def ddp_spawn(timeout: float = 1800, start_method: str = "spawn", **kwargs):
+    """DDP that starts its processes inside trainer.fit (multiprocessing): for notebooks and interactive use."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(start_method=start_method, timeout=timedelta(seconds=timeout), **kwargs)
+
+
+def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kwargs):
+    """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    from mlproject.distributed.deepspeed import ZeroStrategy, use_extensions_cache
+
+    use_extensions_cache()
+    return ZeroStrategy(
+        stage=stage,
+        offload_optimizer=offload,
+        offload_parameters=offload and stage == 3,
+        timeout=timedelta(seconds=timeout),
+        **kwargs,
+    )
+
+
 def model_parallel(timeout: float = 1800, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):
     """FSDP2 and/or tensor parallelism, applied by the model's configure_model (distributed/parallel.py)."""
     from mlproject.distributed.parallel import ModelParallel
@@ -63,24 +84,3 @@ def check_model_parallel(cfg: DictConfig) -> None:
             f"strategy={name} needs a model whose configure_model splits it (e.g. model=gpt); "
             f"{model_cls.__name__} has none; use strategy=ddp"
         )
-
-
-def ddp_spawn(timeout: float = 1800, start_method: str = "spawn", **kwargs):
-    """DDP that starts its processes inside trainer.fit (multiprocessing): for notebooks and interactive use."""
-    from lightning.pytorch.strategies import DDPStrategy
-
-    return DDPStrategy(start_method=start_method, timeout=timedelta(seconds=timeout), **kwargs)
-
-
-def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kwargs):
-    """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
-    from mlproject.distributed.deepspeed import ZeroStrategy, use_extensions_cache
-
-    use_extensions_cache()
-    return ZeroStrategy(
-        stage=stage,
-        offload_optimizer=offload,
-        offload_parameters=offload and stage == 3,
-        timeout=timedelta(seconds=timeout),
-        **kwargs,
-    )
