@@ -60,7 +60,8 @@ EXAMPLES = {
             "tests/distributed/test_ddp.py",
             "tests/distributed/test_deepspeed.py",
             "scripts/bench.py",  # template vs plain loop on the digits CNN
-            "notebooks/*digits*",
+            "notebooks/inspect_run.ipynb",  # confusion matrix of a classifier run
+            "tests/test_notebook.py",
         ),
         defaults={"data": "digits", "model": "digits"},
     ),
@@ -75,6 +76,7 @@ EXAMPLES = {
             "tests/**/test_*gpt*.py",
             "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
             "tests/distributed/recorder.py",
+            "tests/checkpoint/test_sharded.py",  # sharded (FSDP) checkpoints, on the GPT
             "notebooks/*gpt*",
         ),
         defaults={"data": "text", "model": "gpt"},

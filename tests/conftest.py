@@ -33,7 +33,9 @@ def clean_env(**extra: str) -> dict[str, str]:
         "_MLPROJECT",
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true", **extra)
+    # One thread per process: the multi-process tests run several processes on few cores, where torch's
+    # default thread pools only spin against each other.
+    env.update(PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", **extra)
     return env
 
 
