@@ -35,7 +35,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     # One thread per process: the multi-process tests run several processes on few cores, where torch's
     # default thread pools only spin against each other.
-    env.update(PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", **extra)
+    env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
+    env.update(extra)
     return env
 
 
