@@ -1,0 +1,63 @@
+"""One rank of an evaluation under a sharding strategy (started by tests.conftest.launch): validate the
+template's model, built from Hydra overrides, and write this rank's metrics to <out>/rank<r>.json.
+With one process it also writes the metrics computed directly over the whole split (the reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torchmetrics.functional.classification import multiclass_accuracy
+
+from mlproject.config import CONFIG_DIR, IGNORE_INDEX
+
+
+def direct(model, dataset) -> dict[str, float]:
+    x = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    y = torch.stack([dataset[i][1] for i in range(len(dataset))])
+    with torch.no_grad():
+        logits = model.eval()(x).flatten(0, -2).double()
+    target = y.flatten()
+    classes = logits.shape[-1]
+    return {
+        "acc": multiclass_accuracy(logits, target, num_classes=classes, average="micro").item(),
+        "loss": F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX).item(),
+        "samples": float(len(y)),
+    }
+
+
+def main(out: str, *overrides: str) -> None:
+    warnings.filterwarnings("ignore")
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", [f"paths.output_dir={out}", "trainer.accelerator=cpu", *overrides])
+    L.seed_everything(0)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    result = {}
+    if world == 1:
+        datamodule.setup()
+        result["reference"] = direct(model, datamodule.val_set)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=instantiate(cfg.strategy),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    result["val"] = {k.split("/")[1]: v for k, v in trainer.validate(model, datamodule, verbose=False)[0].items()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
