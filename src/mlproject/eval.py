@@ -16,7 +16,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
     from mlproject.callbacks.predictions import PredictionWriter
     from mlproject.checkpoint.convert import load_module
-    from mlproject.utils.instantiate import instantiate_all
+    from mlproject.utils.instantiate import build_trainer, instantiate_all
     from mlproject.utils.report import apply_extras, print_summary, write_metrics
 
     apply_extras(cfg)
@@ -27,12 +27,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     # may be of any strategy and world size (a file, a sharded or a DeepSpeed directory)
     model = load_module(get_class(cfg.model._target_), cfg.ckpt_path)
     datamodule = instantiate(cfg.data)
-    trainer = instantiate(
-        cfg.trainer,
-        strategy=instantiate(cfg.strategy),
-        callbacks=instantiate_all(cfg.get("callbacks")),
-        logger=instantiate_all(cfg.get("logger")) or False,
-    )
+    trainer = build_trainer(cfg, instantiate_all(cfg.get("callbacks")))
     trainer.test(model, datamodule=datamodule)
     values = write_metrics(trainer.callback_metrics, cfg.paths.output_dir)
     if cfg.predict:  # predictions.csv: id, label, pred of every test sample, once, in dataset order

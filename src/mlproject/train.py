@@ -18,8 +18,7 @@ def main(cfg: DictConfig) -> float | None:
     from mlproject.checkpoint.io import PortableCheckpointIO
     from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
-    from mlproject.distributed.syncbn import SyncBatchNormPlugin
-    from mlproject.utils.instantiate import instantiate_all
+    from mlproject.utils.instantiate import build_trainer, instantiate_all
     from mlproject.utils.logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
 
@@ -33,14 +32,8 @@ def main(cfg: DictConfig) -> float | None:
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
     callbacks = instantiate_all(cfg.get("callbacks"))
     check_monitors(callbacks, model)
-    trainer = instantiate(
-        cfg.trainer,
-        strategy=instantiate(cfg.strategy),
-        callbacks=[*callbacks, RunState(cfg)],  # + RNG states and config in checkpoints
-        logger=instantiate_all(cfg.get("logger")) or False,
-        # resume from a checkpoint of any strategy and world size
-        plugins=[PortableCheckpointIO(), *([SyncBatchNormPlugin()] if cfg.trainer.get("sync_batchnorm") else [])],
-    )
+    # + RNG states and config in checkpoints; checkpoints of any strategy and world size load
+    trainer = build_trainer(cfg, [*callbacks, RunState(cfg)], plugins=(PortableCheckpointIO(),))
     world, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
     log.info(
         f"effective batch size {cfg.data.batch_size} = {datamodule.per_device_batch_size_for(world, accumulate)} "

@@ -1,4 +1,4 @@
-"""Build lists of callbacks and loggers from their config groups (one key per object)."""
+"""Build lists of callbacks and loggers from their config groups, and the Trainer from them."""
 
 from __future__ import annotations
 
@@ -9,3 +9,24 @@ from omegaconf import DictConfig
 def instantiate_all(group: DictConfig | None) -> list:
     """Instantiate every entry of a group like `callbacks` or `logger` that has a `_target_`."""
     return [instantiate(c) for c in (group or {}).values() if isinstance(c, DictConfig) and "_target_" in c]
+
+
+def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
+    """cfg.trainer with the strategy, callbacks and loggers of their groups.
+
+    Plugins from config (e.g. cluster=slurm's SLURMEnvironment) are kept next to the ones passed here:
+    a `plugins=` argument alone would replace them. SyncBatchNorm goes through our plugin, which also
+    works on CPU (torch's SyncBatchNorm is CUDA-only).
+    """
+    from mlproject.distributed.syncbn import SyncBatchNormPlugin
+
+    plugins = [*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins]
+    if cfg.trainer.get("sync_batchnorm"):
+        plugins.append(SyncBatchNormPlugin())
+    return instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=callbacks,
+        logger=instantiate_all(cfg.get("logger")) or False,
+        plugins=plugins or None,
+    )
