@@ -114,3 +114,20 @@ def assert_cli(args: list[str]) -> None:
 
     proc = subprocess.run([sys.executable, *args], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp_checkpoint_resumes_exactly_and_exports(tmp_path):
+    """strategy=tp writes sharded checkpoints too (each rank its column/row halves): killed after the
+    epoch-2 checkpoint and resumed with ckpt_path=auto, it ends bitwise equal to a straight run, and the
+    export gathers the halves into the plain network."""
+    tp2 = [*GPT, *strategy("tp", 2), "strategy.tensor_parallel_size=2"]
+    train(tmp_path, "straight", *tp2)
+    straight = weights(last(tmp_path, "straight"))
+    assert (last(tmp_path, "straight") / ".metadata").is_file()
+    proc = train(tmp_path, "killed", *tp2, "ckpt_path=auto", *kill_at(12), check=False)
+    assert proc.returncode != 0
+    train(tmp_path, "killed", *tp2, "ckpt_path=auto")
+    assert_bitwise(straight, weights(last(tmp_path, "killed")))
+    assert_export_matches(last(tmp_path, "straight"), tmp_path / "tp.pt", torch.randint(0, 256, (2, 32)))
