@@ -43,7 +43,7 @@ def test_fast_dev_run(tmp_path):
     proc = run("train", "debug=fdr", "extras.print_config=false", log_dir=tmp_path)
     (run_dir,) = run_dirs(tmp_path, "debug")
     assert read_metrics(run_dir)["test/samples"] == 64  # exactly one test batch
-    assert "effective batch size 64 = 64 per device x 1 device(s)" in proc.stdout + proc.stderr
+    assert "effective batch size 64 = 64 per device x 1 data-parallel rank(s)" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_ddp_two_processes_one_run_directory(tmp_path):
     output = proc.stdout + proc.stderr
     (run_dir,) = run_dirs(tmp_path)  # both ranks wrote into one directory
     assert read_metrics(run_dir)["test/samples"] == 360
-    assert "effective batch size 64 = 32 per device x 2 device(s)" in output
+    assert "effective batch size 64 = 32 per device x 2 data-parallel rank(s)" in output
     assert "[rank 0]" in output and "[rank 1] effective" not in output  # run-level lines from rank 0 only
     assert not (tmp_path / "train" / "runs" / run_dir.name / ".hydra" / "config.yaml").read_text().count("ddp_process")
     assert time.monotonic() - start < 120

@@ -34,10 +34,12 @@ def main(cfg: DictConfig) -> float | None:
     check_monitors(callbacks, model)
     # + RNG states and config in checkpoints; checkpoints of any strategy and world size load
     trainer = build_trainer(cfg, [*callbacks, RunState(cfg)], plugins=(PortableCheckpointIO(),))
-    world, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
+    # a tensor-parallel group reads one batch together: the batch divides over data-parallel ranks only
+    replicas, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
     log.info(
-        f"effective batch size {cfg.data.batch_size} = {datamodule.per_device_batch_size_for(world, accumulate)} "
-        f"per device x {world} device(s) x {accumulate} accumulation step(s); precision {trainer.precision}"
+        f"effective batch size {cfg.data.batch_size} = {datamodule.per_device_batch_size_for(replicas, accumulate)} "
+        f"per device x {replicas} data-parallel rank(s) x {accumulate} accumulation step(s); "
+        f"precision {trainer.precision}"
     )
     log_hyperparameters(cfg, model, trainer)
 

@@ -128,7 +128,7 @@ def test_one_node_two_tasks_matches_local_ddp(jobs):
     assert jobs["states"]["one_node"] == "COMPLETED", slurm_log(jobs, "one_node")[-3000:]
     (run_dir,) = run_dirs(jobs["logs"]["one_node"])  # one directory for both tasks, named by the job id
     assert run_dir.name == jobs["ids"]["one_node"]
-    assert "2 device(s)" in slurm_log(jobs, "one_node")
+    assert "2 data-parallel rank(s)" in slurm_log(jobs, "one_node")
     ours, reference = read_metrics(run_dir), read_metrics(jobs["reference"])
     assert ours.keys() == reference.keys()
     for key, value in reference.items():
@@ -138,7 +138,7 @@ def test_one_node_two_tasks_matches_local_ddp(jobs):
 def test_two_nodes_one_task_each(jobs):
     log = slurm_log(jobs, "two_nodes")
     assert jobs["states"]["two_nodes"] == "COMPLETED", log[-3000:]
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and "2 device(s)" in log  # world size 2, one rank per node
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log and "2 data-parallel rank(s)" in log  # world size 2, one rank per node
     (run_dir,) = run_dirs(jobs["logs"]["two_nodes"])
     assert read_metrics(run_dir)["test/loss"] == pytest.approx(read_metrics(jobs["reference"])["test/loss"], rel=1e-6)
 
