@@ -76,6 +76,9 @@ def preempt(slurm, job: str) -> str:
     return slurm.wait(job, requeue_now=True)
 
 
+SLOW = ["+callbacks.slow._target_=tests.cluster.slow.SlowSteps", "+callbacks.slow.seconds=0.5"]
+
+
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 12, ckpt["global_step"]  # max_epochs x one step: the end of training
@@ -109,7 +112,7 @@ def jobs(slurm, tmp_path_factory):
         ids = {
             "one_node": submit(slurm, logs["one_node"], "cluster.tasks_per_node=2"),
             "two_nodes": submit(slurm, logs["two_nodes"], "cluster.nodes=2", "cluster.tasks_per_node=1"),
-            "preempted": submit(slurm, logs["preempted"], "cluster.tasks_per_node=2"),
+            "preempted": submit(slurm, logs["preempted"], "cluster.tasks_per_node=2", *SLOW),
         }
         preempted = pool.submit(preempt, slurm, ids["preempted"])
         states = {k: slurm.wait(j) for k, j in ids.items() if k != "preempted"}
