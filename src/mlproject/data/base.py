@@ -1,7 +1,7 @@
 """The base every datamodule uses: a global batch size, and evaluation where each sample counts once.
 
-Subclasses only create `self.train_set`, `self.val_set` and `self.test_set` (datasets of `(x, y)`
-pairs) in `setup`. This class turns them into dataloaders that are correct under any world size.
+Subclasses only return their train, val and test datasets (of `(x, y)` pairs) from `splits()`.
+This class builds them once and turns them into dataloaders that are correct under any world size.
 """
 
 from __future__ import annotations
@@ -91,6 +91,14 @@ class DataModule(L.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+
+    def splits(self) -> tuple[Dataset, Dataset, Dataset]:
+        """The train, val and test datasets of `(x, y)` pairs: what a subclass provides."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:  # Lightning calls setup once per stage: build the splits once
+            self.train_set, self.val_set, self.test_set = self.splits()
 
     def _world(self) -> tuple[int, int]:
         # The strategy's data-parallel size and rank, not the world's: a tensor-parallel group reads one batch.

@@ -22,9 +22,7 @@ class DigitsDataModule(DataModule):
         super().__init__(batch_size, num_workers, pin_memory)
         self.save_hyperparameters()
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+    def splits(self):
         from sklearn.datasets import load_digits
 
         images, labels = load_digits(return_X_y=True)
@@ -37,6 +35,5 @@ class DigitsDataModule(DataModule):
                 f"out of {len(data)} samples; make them smaller"
             )
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(hp.split_seed)).tolist()
-        self.test_set = Subset(data, order[: hp.test_size])
-        self.val_set = Subset(data, order[hp.test_size : hp.test_size + hp.val_size])
-        self.train_set = Subset(data, order[hp.test_size + hp.val_size :])
+        n_test, n_held = hp.test_size, hp.test_size + hp.val_size
+        return Subset(data, order[n_held:]), Subset(data, order[n_test:n_held]), Subset(data, order[:n_test])

@@ -62,9 +62,7 @@ class TextDataModule(DataModule):
         super().__init__(batch_size, num_workers, pin_memory)
         self.save_hyperparameters()
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+    def splits(self):
         hp = self.hparams
         tokens = encode(corpus())
         n_val, n_test = int(len(tokens) * hp.val_fraction), int(len(tokens) * hp.test_fraction)
@@ -74,6 +72,8 @@ class TextDataModule(DataModule):
                 f"{len(tokens)} tokens leave a split shorter than one block of {hp.block_size}; change them"
             )
         n_train = len(tokens) - n_val - n_test
-        self.train_set = Chunks(tokens[:n_train], hp.block_size)
-        self.val_set = Chunks(tokens[n_train : n_train + n_val], hp.block_size)
-        self.test_set = Chunks(tokens[n_train + n_val :], hp.block_size)
+        return (
+            Chunks(tokens[:n_train], hp.block_size),
+            Chunks(tokens[n_train : n_train + n_val], hp.block_size),
+            Chunks(tokens[n_train + n_val :], hp.block_size),
+        )
