@@ -1,8 +1,10 @@
-"""What Lightning leaves out of a checkpoint: every rank's RNG states and the run's resolved config.
+"""What Lightning leaves out of a checkpoint: every rank's RNG states and metric states, and the config.
 
 Lightning saves model, optimizers, schedulers, loop counters and precision state, and the data position
 through the StatefulDataLoader (data/base.py). Without the RNG states a resumed run draws different
-dropout masks than a straight one; without the config a checkpoint cannot rebuild its model on its own.
+dropout masks than a straight one; without the torchmetrics states (non-persistent, and per rank) an epoch
+resumed mid-way reports train metrics of its post-resume batches only; without the config a checkpoint
+cannot rebuild its model on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torchmetrics import Metric
 
 from mlproject.utils.logging import get_logger
 
@@ -44,8 +47,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """The accumulated state of every torchmetrics metric in `module` that has been updated since its reset."""
+    return {
+        name: {"updates": metric._update_count, "state": dict(metric.metric_state)}
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric) and metric._update_count
+    }
+
+
+def set_metric_states(module: torch.nn.Module, states: dict[str, dict[str, Any]]) -> None:
+    for name, saved in states.items():
+        metric = module.get_submodule(name)
+        for attr, value in saved["state"].items():
+            setattr(
+                metric,
+                attr,
+                [v.to(metric.device) for v in value] if isinstance(value, list) else value.to(metric.device),
+            )
+        metric._update_count, metric._computed = saved["updates"], None
+
+
 class RunState(L.Callback):
-    """Adds each rank's RNG states and the resolved config to every checkpoint; restores the RNG on resume.
+    """Adds each rank's RNG and metric states and the resolved config to every checkpoint; restores the RNG,
+    and the metric states when resuming mid-epoch.
 
     Every rank takes part in each save (Lightning calls `state_dict` on all ranks), so rank 0, which writes
     the non-sharded part of the checkpoint, holds all ranks' states. Loggers are flushed at each save and
@@ -54,13 +79,19 @@ class RunState(L.Callback):
 
     def __init__(self, config: DictConfig | dict | None = None):
         self.config = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
+        self.module: torch.nn.Module | None = None
+        self.loaded_metrics: dict[str, dict[str, Any]] | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.module = pl_module
 
     def state_dict(self) -> dict[str, Any]:
-        states = [rng_state()]
+        state = {"rng": rng_state(), "metrics": metric_states(self.module) if self.module is not None else {}}
+        states = [state]
         if dist.is_available() and dist.is_initialized():
             states = [None] * dist.get_world_size()
-            dist.all_gather_object(states, rng_state())
-        return {"rng": states, "config": self.config}
+            dist.all_gather_object(states, state)
+        return {"rng": [s["rng"] for s in states], "metrics": [s["metrics"] for s in states], "config": self.config}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for logger in trainer.loggers:
@@ -74,6 +105,8 @@ class RunState(L.Callback):
         if loop._combined_loader_states_to_load and not loop.epoch_loop.batch_progress.is_last_batch:
             loop._load_combined_loader_states()
             iter(loop._data_fetcher)
+            if self.loaded_metrics:  # the metrics of the epoch so far (at an epoch end they were just reset)
+                set_metric_states(pl_module, self.loaded_metrics)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         for logger in trainer.loggers:
@@ -85,8 +118,10 @@ class RunState(L.Callback):
         rank = dist.get_rank() if world > 1 else 0
         if len(states) != world:
             log.warning(
-                f"checkpoint holds RNG states of {len(states)} rank(s), this run has {world}: "
-                "training continues from the seeded RNG, so the result is close but not bitwise a straight run"
+                f"checkpoint holds RNG and metric states of {len(states)} rank(s), this run has {world}: training "
+                "continues from the seeded RNG, so the result is close but not bitwise a straight run, and train "
+                "metrics of an epoch resumed mid-way count the batches after the resume only"
             )
             return
         set_rng_state(states[rank])
+        self.loaded_metrics = (state_dict.get("metrics") or [None] * world)[rank]
