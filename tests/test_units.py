@@ -43,3 +43,51 @@ def test_warmup_cosine_schedule():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lrs[-1] > 0.1 and opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_rich_bar_reads_the_loss_when_it_draws_only(tmp_path):
+    """The loss is not a prog_bar metric (Lightning would call .item() on it every step, a GPU sync); the rich
+    bar reads it from callback_metrics every refresh_rate batches and shows it."""
+    import io
+
+    import lightning as L
+
+    from mlproject.callbacks.progress import RichBar
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Counting(RichBar):
+        def get_metrics(self, trainer, pl_module):
+            self.drawn.append(super().get_metrics(trainer, pl_module))
+            return self.drawn[-1]
+
+    out = io.StringIO()
+    bar = Counting(5, console_kwargs={"file": out, "force_terminal": True, "width": 200})
+    bar.drawn = []
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 2)), batch_size=1)
+    trainer = L.Trainer(
+        max_epochs=1,
+        callbacks=[bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), data)
+    train_draws = [m for m in bar.drawn if "train/loss" in m]
+    assert len(train_draws) == 20 // 5 + 1  # every 5th batch, and once more at the epoch end
+    assert all(isinstance(m["train/loss"], float) for m in train_draws)
+    assert "train/loss" not in trainer.progress_bar_metrics
+    assert "train/loss" in out.getvalue()

@@ -37,7 +37,7 @@ class Classifier(L.LightningModule):
         logits = self(x)
         loss = F.cross_entropy(logits, y)
         self.train_acc.update(logits, y)  # computed (and synced) once per epoch, not per step
-        self.log("train/loss", loss, prog_bar=True)  # this rank's value; no collective per step
+        self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 

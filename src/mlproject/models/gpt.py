@@ -39,7 +39,7 @@ class GPTModule(L.LightningModule):
         x, y, _ = batch
         logits = self(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
-        self.log("train/loss", loss, prog_bar=True)  # this rank's value; no collective per step
+        self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
         return loss
 
     def _evaluate(self, batch, stage: str, metrics: LanguageModelMetrics) -> None:
