@@ -1,7 +1,8 @@
 """Training throughput of the template against a plain PyTorch loop: same model, data, batch, optimizer.
 
-    python scripts/bench.py                 # single process and ddp with 2 processes, on CPU
-    python scripts/bench.py --worlds 1 --epochs 8
+    python scripts/bench.py                 # digits CNN: single process and ddp with 2 processes, on CPU
+    python scripts/bench.py --worlds 1 --epochs 8 model.net.channels=96 data.batch_size=256
+    python scripts/bench.py --example gpt --epochs 3 --steps 20
 
 Each side runs as its own fresh process (or 2, with gloo), so startup is measured the same way: from
 the launch of the command to the end of the first optimizer step. Steady-state steps/s is measured
@@ -14,6 +15,7 @@ its default callbacks and CSV logger on. Both sides use one thread per process (
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {"dropout": 0.1, "lr": 0.005, "weight_decay": 0.01, "warmup_steps": 20}
+EXAMPLES = {"digits": [], "gpt": ["experiment=gpt"]}  # overrides selecting each example's model and data
 
 
 def step_timer(out: str):
@@ -56,39 +58,45 @@ def step_timer(out: str):
     return StepTimer()
 
 
-def plain_worker(rank: int, world: int, port: int, epochs: int, batch: int, channels: int, out: str) -> None:
-    """The loop a careful person writes by hand: no framework, DDP over gloo when world > 1."""
+def plain_worker(rank: int, world: int, port: int, epochs: int, steps: int, overrides: list[str], out: str) -> None:
+    """The loop a careful person writes by hand: no framework, DDP over gloo when world > 1. Data, network,
+    optimizer, schedule and clipping come from the template's own config (Hydra compose), so both sides
+    train the same thing."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
     from torch.utils.data import DataLoader, DistributedSampler
 
     sys.path.insert(0, str(ROOT / "src"))
-    from mlproject.data.digits import DigitsDataModule
-    from mlproject.models.components.cnn import SmallCNN
     from mlproject.models.optim import adamw, warmup_cosine
 
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(42)
-    data = DigitsDataModule(batch_size=batch)
+    data = instantiate(cfg.data)
     data.setup()
     sampler = DistributedSampler(data.train_set, world, rank, shuffle=True, seed=42, drop_last=True)
-    loader = DataLoader(data.train_set, batch_size=batch // world, sampler=sampler, drop_last=True)
-    model = SmallCNN(channels=channels, dropout=MODEL["dropout"])
-    opt = adamw(model, lr=MODEL["lr"], weight_decay=MODEL["weight_decay"])
-    sched = warmup_cosine(opt, epochs * len(loader), warmup_steps=MODEL["warmup_steps"], min_lr_ratio=0.05)
+    loader = DataLoader(data.train_set, batch_size=cfg.data.batch_size // world, sampler=sampler, drop_last=True)
+    steps = min(steps, len(loader))
+    model = instantiate(cfg.model.net)
+    opt = adamw(model, **cfg.model.optimizer)
+    sched = warmup_cosine(opt, epochs * steps, **cfg.model.scheduler)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     times, cpu, epoch_of = [], [], []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         model.train()
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
+        for x, y in itertools.islice(loader, steps):
+            logits = model(x)  # (batch, classes) or (batch, time, vocab)
+            loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-100)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
             opt.step()
             sched.step()
             times.append(time.time())
@@ -106,25 +114,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_plain(world: int, epochs: int, batch: int, channels: int, out: str) -> float:
+def run_plain(world: int, epochs: int, steps: int, overrides: list[str], out: str) -> float:
     code = (
-        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import bench; "
-        "w, e, b, c, o = *map(int, sys.argv[2:6]), sys.argv[6]; "
-        "bench.plain_worker(0, 1, 0, e, b, c, o) if w == 1 else "
-        "mp.start_processes(bench.plain_worker, args=(w, bench.free_port(), e, b, c, o), nprocs=w, "
+        "import json, sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import bench; "
+        "w, e, s, o, x = *map(int, sys.argv[2:5]), json.loads(sys.argv[5]), sys.argv[6]; "
+        "bench.plain_worker(0, 1, 0, e, s, o, x) if w == 1 else "
+        "mp.start_processes(bench.plain_worker, args=(w, bench.free_port(), e, s, o, x), nprocs=w, "
         "start_method='spawn')"
     )
     start = time.time()
-    cmd = [sys.executable, "-c", code, str(ROOT / "scripts"), str(world), str(epochs), str(batch), str(channels), out]
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    args = [str(ROOT / "scripts"), str(world), str(epochs), str(steps), json.dumps(overrides), out]
+    subprocess.run([sys.executable, "-c", code, *args], check=True, cwd=ROOT)
     return start
 
 
-def run_template(world: int, epochs: int, batch: int, channels: int, out: str, log_dir: str) -> float:
+def run_template(world: int, epochs: int, steps: int, overrides: list[str], out: str, log_dir: str) -> float:
     strategy = ["strategy=ddp", f"trainer.devices={world}"] if world > 1 else []
     cmd = [sys.executable, "-m", "mlproject.train", "trainer=cpu", *strategy, f"trainer.max_epochs={epochs}"]
-    cmd += [f"data.batch_size={batch}", f"paths.log_dir={log_dir}", "test=false", "extras.print_config=false"]
-    cmd += [f"model.net.channels={channels}", f"model.net.dropout={MODEL['dropout']}"]
+    cmd += [f"+trainer.limit_train_batches={steps}", f"paths.log_dir={log_dir}", "test=false"]
+    cmd += ["extras.print_config=false", *overrides]
     cmd += ["+callbacks.bench_timer._target_=bench.step_timer", f"+callbacks.bench_timer.out={out}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts")]))
     env.pop("MLPROJECT_RUN_ID", None)
@@ -150,12 +158,14 @@ def summarise(path: str, start: float) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--example", choices=sorted(EXAMPLES), default="digits", help="model and data to train")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="process counts to compare")
-    parser.add_argument("--epochs", type=int, default=6, help="epochs per run (19 steps each at batch 64)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch size")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs per run")
+    parser.add_argument("--steps", type=int, default=10**9, help="at most this many optimizer steps per epoch")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side; the best one counts")
-    parser.add_argument("--channels", type=int, default=32, help="CNN width: more compute per step")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. model.net.channels=96")
     args = parser.parse_args()
+    overrides = [*EXAMPLES[args.example], *args.overrides]
     # One thread per process on both sides: the CPU runs are otherwise dominated by thread oversubscription.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
@@ -166,9 +176,9 @@ def main() -> None:
                 for side in ("plain", "template"):
                     out = f"{tmp}/{side}_{world}_{i}.json"
                     if side == "plain":
-                        start = run_plain(world, args.epochs, args.batch, args.channels, out)
+                        start = run_plain(world, args.epochs, args.steps, overrides, out)
                     else:
-                        start = run_template(world, args.epochs, args.batch, args.channels, out, f"{tmp}/logs")
+                        start = run_template(world, args.epochs, args.steps, overrides, out, f"{tmp}/logs")
                     r = summarise(out, start)
                     b = best.setdefault(side, r)
                     b["steps_per_s"] = max(b["steps_per_s"], r["steps_per_s"])
