@@ -20,7 +20,8 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes)
+        # no input checks per training step: they call torch.unique, a host-device sync on a GPU
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, validate_args=False)
         self.val_metrics = ClassificationMetrics(num_classes)
         self.test_metrics = ClassificationMetrics(num_classes)
 
