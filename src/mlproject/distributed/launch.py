@@ -66,6 +66,8 @@ def check_deepspeed(cfg: DictConfig) -> None:
 
 
 _children: list[subprocess.Popen] = []  # local ranks 1..N-1 that this process (local rank 0) started
+_polling = threading.Lock()  # Popen.poll() returns None in one thread while another thread polls
+_reported: set[int] = set()
 
 
 def launch_local_ranks(cfg: DictConfig) -> None:
@@ -159,9 +161,12 @@ def _kill_children() -> None:
 
 
 def _report_failed() -> bool:
-    failed = [(rank, p) for rank, p in enumerate(_children, 1) if p.poll()]
-    for rank, p in failed:
-        print(f"error: local rank {rank} (pid {p.pid}) exited with code {p.returncode}", file=sys.stderr, flush=True)
+    with _polling:
+        failed = [(rank, p) for rank, p in enumerate(_children, 1) if p.poll()]
+        for rank, p in failed:
+            if rank not in _reported:
+                _reported.add(rank)
+                print(f"error: local rank {rank} (pid {p.pid}) exited with code {p.returncode}", file=sys.stderr)
     return bool(failed)
 
 
