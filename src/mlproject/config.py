@@ -105,9 +105,12 @@ def hydra_entry(config_name: str):
 
         @functools.wraps(task)
         def job(cfg):
+            from mlproject.distributed.launch import local_ranks_end
+
             # Errors inside the job are caught here: Hydra would first print its own multi-line header.
             try:
-                return task(cfg)
+                with local_ranks_end():  # the local ranks a task started (launch_local_ranks) end with it
+                    return task(cfg)
             except errors as exc:
                 report(exc, os.environ.get("_MLPROJECT_FULL_ERROR") == "user")
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from mlproject.config import hydra_entry, preflight
+from mlproject.distributed.launch import launch_local_ranks
 
 
 @hydra_entry("eval")
 def main(cfg: DictConfig) -> dict[str, float]:
     preflight(cfg)
+    launch_local_ranks(cfg)  # the other ranks of this node start now: their imports overlap with ours
 
     import lightning as L
     from hydra.utils import get_class, instantiate

@@ -5,12 +5,14 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from mlproject.config import check_monitors, data_parallel_size, hydra_entry, preflight
+from mlproject.distributed.launch import launch_local_ranks
 
 
 @hydra_entry("train")
 def main(cfg: DictConfig) -> float | None:
     # 1. refuse impossible settings before anything heavy is imported or built
     preflight(cfg)
+    launch_local_ranks(cfg)  # the other ranks of this node start now: their imports overlap with ours
 
     import lightning as L
     from hydra.utils import instantiate

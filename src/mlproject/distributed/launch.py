@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 from omegaconf import DictConfig
 
@@ -56,3 +63,118 @@ def check_deepspeed(cfg: DictConfig) -> None:
         raise ConfigError("DeepSpeed on CPU runs in fp32 only (a debugging mode); use trainer.precision=32-true")
     if cpu and cfg.strategy.get("offload"):
         raise ConfigError("DeepSpeed offload moves state from GPU to CPU memory; on CPU use strategy=deepspeed_stage_3")
+
+
+_children: list[subprocess.Popen] = []  # local ranks 1..N-1 that this process (local rank 0) started
+_polling = threading.Lock()  # Popen.poll() returns None in one thread while another thread polls
+_reported: set[int] = set()
+
+
+def launch_local_ranks(cfg: DictConfig) -> None:
+    """Start this node's local ranks 1..N-1 now, with this command line, and make this process local rank 0.
+
+    Lightning's launcher would start them only inside trainer.fit, after this process imported and built
+    everything; started here, their imports overlap with ours. Lightning reads the same environment it
+    would have set (LOCAL_RANK present: it launches nothing). The job ends with them (`local_ranks_end`).
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    nodes = int(cfg.trainer.get("num_nodes", 1))
+    per_node = world_size(cfg) // nodes
+    if (
+        per_node < 2
+        or strategy_name(cfg) in ("", *NO_RELAUNCH)
+        or launched_externally()
+        or "SLURM_NTASKS" in os.environ  # Lightning's SLURMEnvironment: srun starts the ranks
+        or (cfg.get("cluster") or {}).get("scheduler")
+    ):
+        return
+    hc = HydraConfig.get()
+    os.environ.update(  # what Lightning's _SubprocessScriptLauncher sets; the user's MASTER_*/NODE_RANK stay
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+        NODE_RANK=os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")),
+        WORLD_SIZE=str(per_node * nodes),
+        LOCAL_RANK="0",
+        MLPROJECT_RUN_ID=str(cfg.run_id),
+    )
+    main = sys.modules["__main__"]
+    cmd = [sys.executable, *(["-m", main.__spec__.name] if main.__spec__ else [os.path.abspath(sys.argv[0])])]
+    # like Lightning under Hydra: this run's directory, a log file per rank, no second .hydra/ folder
+    cmd += [*sys.argv[1:], f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"]
+    for rank in range(1, per_node):
+        _children.append(
+            subprocess.Popen(
+                [*cmd, f"hydra.job.name={hc.job.name}_ddp_process_{rank}"],
+                env={**os.environ, "LOCAL_RANK": str(rank)},
+                cwd=hc.runtime.cwd,
+                preexec_fn=_die_with_parent(),
+            )
+        )
+    threading.Thread(target=_watch_children, daemon=True).start()
+
+
+@contextlib.contextmanager
+def local_ranks_end():
+    """Around a job: if it fails, kill the local ranks it started (they may wait in a collective for it);
+    if it succeeds, wait for them, and fail if one failed. Either way name the ranks that failed."""
+    try:
+        yield
+    except BaseException:
+        _report_failed()
+        _kill_children()
+        raise
+    for p in _children:
+        p.wait()
+    if _report_failed():
+        sys.exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """preexec_fn: the kernel SIGKILLs the child when this process dies, even by SIGKILL (Linux only)."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def in_child():
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # died before the line above
+            os._exit(1)
+
+    return in_child
+
+
+def _kill_children() -> None:
+    for p in _children:
+        if p.poll() is None:
+            p.kill()
+    for p in _children:
+        p.wait()
+
+
+def _report_failed() -> bool:
+    with _polling:
+        failed = [(rank, p) for rank, p in enumerate(_children, 1) if p.poll()]
+        for rank, p in failed:
+            if rank not in _reported:
+                _reported.add(rank)
+                print(f"error: local rank {rank} (pid {p.pid}) exited with code {p.returncode}", file=sys.stderr)
+    return bool(failed)
+
+
+def _watch_children() -> None:
+    """A local rank that fails ends the job within a second, exit code 1, even if this rank waits in a
+    collective that would only time out (Lightning's _ChildProcessObserver does the same with SIGKILL)."""
+    while not _report_failed():
+        time.sleep(1)
+    _kill_children()
+    sys.stdout.flush()
+    os._exit(1)
