@@ -10,7 +10,7 @@ import torch
 
 from mlproject.checkpoint.convert import CheckpointError, kind, load_full
 from mlproject.checkpoint.io import ModelCheckpoint, replace
-from mlproject.checkpoint.resume import continue_run_of_checkpoint, resolve_ckpt_path
+from mlproject.checkpoint.resume import check_deepspeed_resume, continue_run_of_checkpoint, resolve_ckpt_path
 from tests.conftest import run
 
 
@@ -110,3 +110,37 @@ def test_resuming_another_runs_checkpoint_continues_in_its_directory(monkeypatch
     continue_run_of_checkpoint(["run_id=new", "ckpt_path=logs/train/runs/my-run/checkpoints/last.ckpt"])
     continue_run_of_checkpoint(["ckpt_path=/elsewhere/model.ckpt"])
     assert "MLPROJECT_RUN_ID" not in os.environ  # an explicit run_id wins; a foreign path names no run
+
+
+def zero(path: Path, ranks: int, stage3: bool) -> Path:
+    """The file layout of a DeepSpeed checkpoint directory (empty files: only names are read)."""
+    (path / "checkpoint").mkdir(parents=True)
+    (path / "latest").write_text("checkpoint")
+    for r in range(ranks):
+        (path / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").touch()
+        if stage3:
+            (path / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt").touch()
+    if not stage3:
+        (path / "checkpoint" / "mp_rank_00_model_states.pt").touch()
+    return path
+
+
+def test_deepspeed_resumes_only_its_own_layout(tmp_path):
+    """strategy=deepspeed_* loads a DeepSpeed checkpoint of the same world size and ZeRO layout (stage 1 and 2
+    share one); anything else is refused before the run starts, naming the strategies that can load it."""
+    check_deepspeed_resume(str(zero(tmp_path / "z2", 2, False)), world=2, zero3=False)
+    check_deepspeed_resume(str(zero(tmp_path / "z3", 2, True)), world=2, zero3=True)
+    check_deepspeed_resume(None, world=2, zero3=False)
+    with pytest.raises(
+        CheckpointError, match=r"ZeRO-1/2 DeepSpeed checkpoint of 2 .* it with strategy=deepspeed_stage_2 on 2 process"
+    ):
+        check_deepspeed_resume(str(tmp_path / "z2"), world=1, zero3=False)
+    with pytest.raises(
+        CheckpointError, match=r"ZeRO-1/2 .* which strategy=deepspeed_stage_3 .* or with strategy=single"
+    ):
+        check_deepspeed_resume(str(tmp_path / "z2"), world=2, zero3=True)
+    shards(tmp_path / "fsdp", 1.0)
+    with pytest.raises(
+        CheckpointError, match=r"sharded \(fsdp/tp\) checkpoint, .* resume it with strategy=single, ddp"
+    ):
+        check_deepspeed_resume(str(tmp_path / "fsdp"), world=2, zero3=False)
