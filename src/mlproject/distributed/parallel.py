@@ -35,7 +35,8 @@ class ModelParallel(ModelParallelStrategy):
         from mlproject.checkpoint.convert import kind, load_full, name_optimizer_states
 
         path = Path(self.broadcast(checkpoint_path))
-        if kind(path) == "sharded" or (path.is_file() and not self.optimizers):
+        sharded = path.is_dir() and kind(path) == "sharded"  # kind() of a file would read it all (CRC check)
+        if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
         checkpoint = load_full(path)
         if self.optimizers:
