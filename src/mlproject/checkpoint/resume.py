@@ -32,26 +32,3 @@ def continue_run_of_checkpoint(args: list[str]) -> None:
             parts = Path(arg.split("=", 1)[1]).parts
             if len(parts) >= 4 and parts[-2] == "checkpoints" and parts[-4] == "runs":
                 os.environ["MLPROJECT_RUN_ID"] = parts[-3]
-
-
-def check_deepspeed_resume(ckpt_path: str | None, world: int, zero3: bool) -> None:
-    """Lightning's DeepSpeed strategy loads only a DeepSpeed checkpoint of the same world size and ZeRO
-    layout, and fails deep inside the engine on anything else: refuse up front with the ways that work."""
-    from mlproject.checkpoint.convert import CheckpointError, kind
-
-    if ckpt_path is None:
-        return
-    fmt, path, fix = kind(ckpt_path), Path(ckpt_path), "with strategy=single, ddp or fsdp (converted on load)"
-    if fmt == "deepspeed":
-        shards = path / (path / "latest").read_text().strip()
-        ranks, stage3 = len(list(shards.glob("*_optim_states.pt"))), any(shards.glob("zero_pp_rank_*_model_states.pt"))
-        if (ranks, stage3) == (world, zero3):
-            return
-        what = f"a {'ZeRO-3' if stage3 else 'ZeRO-1/2'} DeepSpeed checkpoint of {ranks} process(es)"
-        fix = f"with strategy=deepspeed_stage_{3 if stage3 else 2} on {ranks} process(es), or {fix}"
-    else:
-        what = f"a {'single-file' if fmt == 'file' else 'sharded (fsdp/tp)'} checkpoint"
-    raise CheckpointError(
-        f"ckpt_path={ckpt_path} is {what}, which strategy=deepspeed_stage_{3 if zero3 else '1/2'} on {world} "
-        f"process(es) cannot load; resume it {fix}"
-    )

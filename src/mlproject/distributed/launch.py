@@ -56,8 +56,3 @@ def check_deepspeed(cfg: DictConfig) -> None:
         raise ConfigError("DeepSpeed on CPU runs in fp32 only (a debugging mode); use trainer.precision=32-true")
     if cpu and cfg.strategy.get("offload"):
         raise ConfigError("DeepSpeed offload moves state from GPU to CPU memory; on CPU use strategy=deepspeed_stage_3")
-    if cfg.get("train") and cfg.get("ckpt_path"):
-        from mlproject.checkpoint.resume import check_deepspeed_resume, resolve_ckpt_path
-
-        ckpt = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
-        check_deepspeed_resume(ckpt, world_size(cfg), int(cfg.strategy.get("stage", 2)) == 3)
