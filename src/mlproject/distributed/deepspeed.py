@@ -80,16 +80,17 @@ class ZeroStrategy(DeepSpeedStrategy):
         zero, module = self.deepspeed_engine.optimizer, self.lightning_module
         with torch.no_grad():
             for name, buffer in module.named_buffers():
-                buffer.copy_(state_dict[name])
+                if name in state_dict:  # non-persistent buffers are the model's to rebuild
+                    buffer.copy_(state_dict[name])
         # The base optimizer keeps its state per flat fp32 partition and creates it at the first step;
         # DeepSpeed's setters write into existing state only, so create it (stage 1/2 then link each
         # parameter's fragment of it, as its first step would).
         flats = zero.fp32_partitioned_groups_flat if self.zero_stage_3 else zero.single_partition_of_fp32_groups
-        if optimizer["state"]:
-            step = next(iter(optimizer["state"].values()))["step"]
+        if first := next(iter(optimizer["state"].values()), None):
             for flat in flats:
-                zeros = {key: torch.zeros_like(flat) for key in ("exp_avg", "exp_avg_sq")}
-                zero.optimizer.state[flat] = {"step": step.clone(), **zeros}
+                zero.optimizer.state[flat] = {
+                    k: v.clone() if k == "step" else torch.zeros_like(flat) for k, v in first.items()
+                }
             if not self.zero_stage_3:
                 zero._lazy_init_hp_params_optimizer_state()
         for group, saved in zip(zero.optimizer.param_groups, optimizer["param_groups"], strict=True):
