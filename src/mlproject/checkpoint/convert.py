@@ -102,8 +102,8 @@ def _from_deepspeed(path: Path) -> dict[str, Any]:
             [[s[optim_key]["state"][i][key][: len(p)] for i, p in enumerate(s[fp32_key])] for s in shards], False
         )
 
-    moments = {key: moment(key) for key in ("exp_avg", "exp_avg_sq")}
     optim = shards[0][optim_key]
+    moments = {key: moment(key) for key in next(iter(optim["state"].values()), {}) if key != "step"}
     state, groups, position = {}, [], 0
     for group in optim["param_groups"]:
         params = []
