@@ -110,3 +110,30 @@ def test_resuming_another_runs_checkpoint_continues_in_its_directory(monkeypatch
     continue_run_of_checkpoint(["run_id=new", "ckpt_path=logs/train/runs/my-run/checkpoints/last.ckpt"])
     continue_run_of_checkpoint(["ckpt_path=/elsewhere/model.ckpt"])
     assert "MLPROJECT_RUN_ID" not in os.environ  # an explicit run_id wins; a foreign path names no run
+
+
+def zero(path: Path, ranks: int, stage3: bool) -> Path:
+    """The file layout of a DeepSpeed checkpoint directory (empty files: only names are read)."""
+    (path / "checkpoint").mkdir(parents=True)
+    (path / "latest").write_text("checkpoint")
+    for r in range(ranks):
+        (path / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").touch()
+        if stage3:
+            (path / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt").touch()
+    if not stage3:
+        (path / "checkpoint" / "mp_rank_00_model_states.pt").touch()
+    return path
+
+
+def test_deepspeed_engine_loads_only_its_own_layout(tmp_path):
+    """The engine reads a DeepSpeed checkpoint of the same world size and ZeRO layout (stage 1 and 2 share
+    one); ZeroStrategy converts any other checkpoint itself."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra")
+    from mlproject.distributed.deepspeed import loads_natively
+
+    assert loads_natively(zero(tmp_path / "z2", 2, False), world=2, zero3=False)
+    assert loads_natively(zero(tmp_path / "z3", 2, True), world=2, zero3=True)
+    assert not loads_natively(tmp_path / "z2", world=1, zero3=False)
+    assert not loads_natively(tmp_path / "z2", world=2, zero3=True)
+    shards(tmp_path / "fsdp", 1.0)
+    assert not loads_natively(tmp_path / "fsdp", world=2, zero3=False)

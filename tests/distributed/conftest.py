@@ -30,11 +30,13 @@ EXACT = [
     "+callbacks.steps._target_=tests.distributed.steps.RecordSteps",
 ]
 
+CHECKPOINT = ["+callbacks.steps.checkpoint=true"]  # also save the final checkpoint, as run_dir/last.ckpt
+
 
 def train_steps(log_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 300) -> dict:
     run("train", *EXACT, *overrides, log_dir=log_dir, env=env, timeout=timeout)
     (run_dir,) = run_dirs(log_dir)
-    return torch.load(run_dir / "steps.pt")
+    return {**torch.load(run_dir / "steps.pt"), "run_dir": run_dir}
 
 
 def assert_same_training(got: dict, ref: dict, rtol: float, atol: float) -> None:
@@ -48,4 +50,4 @@ def assert_same_training(got: dict, ref: dict, rtol: float, atol: float) -> None
 
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory) -> dict:
-    return train_steps(tmp_path_factory.mktemp("single"))
+    return train_steps(tmp_path_factory.mktemp("single"), *CHECKPOINT)

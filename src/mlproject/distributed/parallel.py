@@ -29,16 +29,18 @@ class ModelParallel(ModelParallelStrategy):
         self.fsdp = fsdp
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
-        # A full checkpoint (single, ddp) keys optimizer state by position, which Lightning maps to parameters
-        # in module order; re-key it by name in the optimizers' own order first (checkpoint/convert.py).
-        from mlproject.checkpoint.convert import name_optimizer_states
+        # A full checkpoint (single, ddp, or a DeepSpeed directory converted) keys optimizer state by position,
+        # which Lightning maps to parameters in module order; re-key it by name in the optimizers' own order
+        # first (checkpoint/convert.py).
+        from mlproject.checkpoint.convert import kind, load_full, name_optimizer_states
 
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_file() or not self.optimizers:
+        sharded = path.is_dir() and kind(path) == "sharded"  # kind() of a file would read it all (CRC check)
+        if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
-        checkpoint = name_optimizer_states(
-            torch.load(path, map_location="cpu", weights_only=False), self.model, self.optimizers
-        )
+        checkpoint = load_full(path)
+        if self.optimizers:
+            name_optimizer_states(checkpoint, self.model, self.optimizers)
         with tempfile.TemporaryDirectory() as tmp:
             torch.save(checkpoint, Path(tmp) / path.name)
             return super().load_checkpoint(Path(tmp) / path.name, weights_only)
