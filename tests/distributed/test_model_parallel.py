@@ -1,4 +1,4 @@
-"""FSDP, tensor parallel and 2-D FSDP x TP train the tiny GPT exactly as one process does.
+"""FSDP, tensor parallel, 2-D FSDP x TP and ZeRO-2 train the tiny GPT exactly as one process does.
 
 Every run is a real `python -m mlproject.train` with gloo processes on this machine, fp32, the same
 seed and the same GLOBAL batch. Compared with the single-process run: the global loss of every step,
@@ -51,6 +51,7 @@ STRATEGIES = {
         "strategy.tensor_parallel_size=2",
         "strategy.fsdp.reshard_after_forward=false",
     ],
+    "deepspeed": ["strategy=deepspeed_stage_2", "trainer.devices=2"],  # DeepSpeed clips in its own partitions
 }
 LOSS_RTOL = 2e-6  # fp32; the order of additions differs between strategies (measured <= 3e-7)
 PARAM_ATOL = 5e-6  # after 6 AdamW steps of lr 0.01 the weights moved ~0.05 (measured differences <= 1.1e-6)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 
 from mlproject.config import IGNORE_INDEX
-from mlproject.distributed.parallel import clip_grad_norm_, parallelize
+from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
 from mlproject.models.metrics import LanguageModelMetrics
 from mlproject.models.optim import adamw, warmup_cosine
 
@@ -55,8 +55,11 @@ class GPTModule(L.LightningModule):
         self._evaluate(batch, "test", self.test_metrics)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            clip_grad_norm_(self.parameters(), gradient_clip_val)  # also for tensor-parallel gradients
+        # tensor parallelism mixes DTensor and plain gradients, which torch's clip cannot; DeepSpeed (its
+        # gradients live in its own partitions) and the rest clip the usual way
+        parallel = isinstance(self.trainer.strategy, ModelParallel)
+        if parallel and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            clip_grad_norm_(self.parameters(), gradient_clip_val)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
