@@ -73,6 +73,11 @@ def preempt(slurm, job: str) -> str:
                 break
         time.sleep(0.1)
     slurm.cmd("scancel", "--signal=USR1", job)
+    # Until SLURM has requeued it (Restarts=1), the job shows its first run's end state (FAILED) while that
+    # run's step winds down (seconds on a loaded machine): waiting on that state would stop too early.
+    deadline = time.monotonic() + 120
+    while slurm.field(job, "Restarts") == "0" and time.monotonic() < deadline:
+        time.sleep(0.2)
     return slurm.wait(job, requeue_now=True)
 
 
