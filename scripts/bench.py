@@ -124,7 +124,11 @@ def run_plain(world: int, epochs: int, steps: int, overrides: list[str], out: st
     )
     start = time.time()
     args = [str(ROOT / "scripts"), str(world), str(epochs), str(steps), json.dumps(overrides), out]
-    subprocess.run([sys.executable, "-c", code, *args], check=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT)
+    # torch 2.13 sometimes aborts a gloo process at interpreter exit, after all work is done; the record
+    # written at the end of training says whether it was
+    if proc.returncode and not Path(out).exists():
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
     return start
 
 
