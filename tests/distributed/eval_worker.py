@@ -45,6 +45,11 @@ def main(out: str, strategy: str) -> None:
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    # torch 2.13's teardown of a gloo process sometimes aborts after all work is done (sharded_eval_worker)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
