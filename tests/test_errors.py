@@ -16,6 +16,7 @@ CASES = {
     "no gpu": (["trainer=gpu"], "use trainer=cpu"),
     "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
     "fsdp without configure_model": (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp"),
+    "group set to null": (["logger=null"], "use ~<group>, e.g. ~logger"),
 }
 
 

@@ -129,6 +129,11 @@ def hydra_entry(config_name: str):
                 return wrapped()
             except errors as exc:
                 report(exc, os.environ["_MLPROJECT_FULL_ERROR"] == "user")
+            except ValueError as exc:  # Hydra reports `group=null` with a plain ValueError
+                if "Config group override must be" not in str(exc):
+                    raise
+                hint = ConfigError(f"{exc}; to drop a config group use ~<group>, e.g. ~logger")
+                report(hint, os.environ["_MLPROJECT_FULL_ERROR"] == "user")
 
         return main
 

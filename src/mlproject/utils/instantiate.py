@@ -18,15 +18,20 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
     a `plugins=` argument alone would replace them. SyncBatchNorm goes through our plugin, which also
     works on CPU (torch's SyncBatchNorm is CUDA-only).
     """
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
     from mlproject.distributed.syncbn import SyncBatchNormPlugin
 
     plugins = [*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins]
     if cfg.trainer.get("sync_batchnorm"):
         plugins.append(SyncBatchNormPlugin())
+    loggers = instantiate_all(cfg.get("logger"))
+    if not loggers:  # `~logger`: the LR monitor has nowhere to write, and Lightning would stop the run for it
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     return instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
         callbacks=callbacks,
-        logger=instantiate_all(cfg.get("logger")) or False,
+        logger=loggers or False,
         plugins=plugins or None,
     )
