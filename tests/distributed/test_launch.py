@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mlproject.distributed.launch import EXTERNAL_RANK_VARS, launched_externally
 from tests.conftest import run, run_dirs
 
 
@@ -90,3 +91,13 @@ def test_a_killed_rank_ends_the_job_at_once(tmp_path, rank):
         time.sleep(0.1)
     assert not alive(child)
     assert time.time() - float(stamp.read_text()) < 20
+
+
+@pytest.mark.parametrize("var", [*EXTERNAL_RANK_VARS, "SLURM_NTASKS"])
+def test_ranks_started_by_another_launcher_start_none_themselves(monkeypatch, var):
+    """Under torchrun, Kubeflow, MPI, jsrun or srun every rank is started already: none may start more."""
+    for v in (*EXTERNAL_RANK_VARS, "SLURM_NTASKS"):
+        monkeypatch.delenv(v, raising=False)
+    assert not launched_externally()
+    monkeypatch.setenv(var, "2")
+    assert launched_externally()

@@ -24,9 +24,14 @@ def strategy_name(cfg: DictConfig) -> str:
     return cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] if cfg.get("strategy") else ""
 
 
+# Set in every process by a launcher that starts all ranks itself: torchrun, Kubeflow (RANK), Open MPI,
+# MPICH / Intel MPI, LSF's jsrun (as Lightning's cluster environments read them).
+EXTERNAL_RANK_VARS = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JSM_NAMESPACE_SIZE")
+
+
 def launched_externally() -> bool:
-    """torchrun sets LOCAL_RANK for each process; SLURM starts one task per process."""
-    return "LOCAL_RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    """Another launcher started this process as one of the job's ranks (SLURM: one task per process)."""
+    return any(v in os.environ for v in EXTERNAL_RANK_VARS) or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
 def check_launch(cfg: DictConfig, multirun: bool) -> None:
