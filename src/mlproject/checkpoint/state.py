@@ -48,9 +48,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """The accumulated state of every torchmetrics metric in `module` that has been updated since its reset."""
+    """The accumulated state of every torchmetrics metric in `module` that has been updated since its reset,
+    on the CPU (a GPU tensor would be unpickled onto the sender's GPU by every rank it is gathered to)."""
+
+    def cpu(value):
+        return [v.detach().cpu() for v in value] if isinstance(value, list) else value.detach().cpu()
+
     return {
-        name: {"updates": metric._update_count, "state": dict(metric.metric_state)}
+        name: {"updates": metric._update_count, "state": {k: cpu(v) for k, v in metric.metric_state.items()}}
         for name, metric in module.named_modules()
         if isinstance(metric, Metric) and metric._update_count
     }
