@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -48,8 +49,6 @@ class ZeroStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         # DeepSpeed's CPU backend builds its shared-memory all-reduce at start (probing compilers, and a ~20 s
         # JIT compile on first use), though only its inference path uses it; training reduces through gloo.
-        import importlib
-
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # deepspeed.comm.torch is torch
         self._init_deepspeed_distributed()
 
