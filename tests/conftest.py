@@ -12,7 +12,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from mlproject.config import CONFIG_DIR, PROJECT_ROOT
+from mlproject.core.constants import CONFIG_DIR, PROJECT_ROOT
+from mlproject.core.resolvers import register_resolvers
+
+register_resolvers()  # as the entry points do: composed configs use ${run_id:}, ${precision:}, ...
 
 # Runs in tests stay small: few epochs, no config tree, quiet warnings.
 FAST = ["extras.print_config=false", "trainer.max_epochs=2"]

@@ -6,8 +6,8 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from mlproject.config import CONFIG_DIR
-from mlproject.utils.instantiate import instantiate_all
+from mlproject.build import instantiate_all
+from mlproject.core.constants import CONFIG_DIR
 
 
 def options(group: str) -> list[str]:

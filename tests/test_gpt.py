@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import open_dict
 
-from mlproject.config import ConfigError, data_parallel_size
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import Topology
 from mlproject.data.text import VOCAB_SIZE, Chunks, corpus, decode, encode
-from mlproject.distributed.strategies import check_model_parallel
 from mlproject.models.components.gpt import GPT
+from mlproject.preflight import preflight
 
 
 @pytest.fixture(autouse=True)
@@ -78,12 +79,12 @@ def test_corpus_is_fixed_and_round_trips():
 def test_preflight_refuses_impossible_model_parallel(compose_cfg, overrides, error):
     cfg = compose_cfg("trainer.accelerator=cpu", *overrides)
     with pytest.raises(ConfigError, match=error):
-        check_model_parallel(cfg)
+        preflight(cfg)
 
 
 def test_global_batch_divides_over_data_parallel_ranks_only(compose_cfg):
     cfg = compose_cfg("model=gpt", "data=text", "trainer.accelerator=cpu", "strategy=fsdp_tp", "trainer.devices=4")
-    assert data_parallel_size(cfg) == 2  # 4 processes in TP groups of 2 read 2 different batches
+    assert Topology.of(cfg).data_parallel_size == 2  # 4 processes in TP groups of 2 read 2 different batches
     with open_dict(cfg):
         cfg.strategy.tensor_parallel_size = 4
-    assert data_parallel_size(cfg) == 1
+    assert Topology.of(cfg).data_parallel_size == 1

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from mlproject.config import PROJECT_ROOT
+from mlproject.core.constants import PROJECT_ROOT
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlproject.config import PROJECT_ROOT
+from mlproject.core.constants import PROJECT_ROOT
 
 from .conftest import clean_env
 
@@ -118,7 +118,7 @@ def test_copier_renames_everything(copier_project):
     assert r'description = "Nets that are \"cool\" \\o/"' in pyproject
     assert 'license = { text = "Apache-2.0" }' in pyproject
     assert 'authors = [{ name = "Ada Lovelace" }]' in pyproject
-    assert "COOL_NET_RUN_ID" in (root / "src/cool_net/config.py").read_text()
+    assert "COOL_NET_RUN_ID" in (root / "src/cool_net/core/resolvers.py").read_text()
     assert "project: cool_net" in (root / "configs/logger/wandb.yaml").read_text()
     assert "-m cool_net.train" in (root / "Makefile").read_text()
 
@@ -163,7 +163,7 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     train_yaml.write_text(re.sub(r"^seed:.*$", "seed: 7  # mine", train_yaml.read_text(), count=1, flags=re.M))
     sh("git", "commit", "-qam", "my edits", cwd=root, env=env)
     # The template's v2: a new module that imports the package, and the same seed line changed.
-    (template / "src/mlproject/utils/news.py").write_text(f'"""New in v2."""\n\nfrom {OLD}.config import ConfigError\n')
+    (template / "src/mlproject/utils/news.py").write_text(f'"""New in v2."""\n\nfrom {OLD}.core.errors import ConfigError\n')
     tpl_train = template / "configs/train.yaml"
     tpl_train.write_text(re.sub(r"^seed:.*$", "seed: 0  # v2", tpl_train.read_text(), count=1, flags=re.M))
     sh("git", "add", "-A", cwd=template, env=env)
@@ -173,7 +173,7 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     sh(sys.executable, "-m", "copier", "update", "--trust", "--defaults", cwd=root, env=env)
 
     assert "_commit: v2" in (root / ".copier-answers.yml").read_text()
-    assert (root / "src/cool_net/utils/news.py").read_text().endswith("from cool_net.config import ConfigError\n")
+    assert (root / "src/cool_net/utils/news.py").read_text().endswith("from cool_net.core.errors import ConfigError\n")
     assert optim.read_text().endswith("# tuned for my data\n")
     merged = train_yaml.read_text()  # both sides changed the line: a conflict, not a silent overwrite
     assert "<<<<<<< before updating" in merged and "seed: 7  # mine" in merged and "seed: 0  # v2" in merged

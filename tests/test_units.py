@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from mlproject.config import ConfigError, per_device_batch_size
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import per_device_batch_size
 from mlproject.data.base import PAD, EvalSampler, Indexed
 from mlproject.models.optim import warmup_cosine
 

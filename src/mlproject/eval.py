@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.config import hydra_entry, preflight
+from mlproject.cli import hydra_entry
 from mlproject.distributed.launch import launch_local_ranks
+from mlproject.preflight import preflight
 
 
-@hydra_entry("eval")
-def main(cfg: DictConfig) -> dict[str, float]:
-    preflight(cfg)
-    launch_local_ranks(cfg)  # the other ranks of this node start now: their imports overlap with ours
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    """Test the checkpoint `cfg.ckpt_path` (and write predictions.csv with `predict=true`); returns the
+    test metrics. No Hydra inside, like `train(cfg)`."""
+    launch_local_ranks(cfg, preflight(cfg))  # the other ranks of this node start now: their imports overlap
 
     import lightning as L
     from hydra.utils import get_class, instantiate
 
+    from mlproject.build import build_trainer, instantiate_all
     from mlproject.callbacks.predictions import PredictionWriter
     from mlproject.checkpoint.convert import load_module
-    from mlproject.utils.instantiate import build_trainer, instantiate_all
     from mlproject.utils.report import apply_extras, print_summary, write_metrics
 
     apply_extras(cfg)
@@ -38,6 +39,11 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
     print_summary(values, cfg.paths.output_dir)
     return values
+
+
+@hydra_entry("eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    return evaluate(cfg)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.config import hydra_entry
+from mlproject.cli import hydra_entry
 
 
 @hydra_entry("export")

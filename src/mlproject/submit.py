@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
 
+from mlproject.cli import ERRORS, one_line
 from mlproject.cluster.slurm import check_before_submit, sbatch_script
-from mlproject.config import CONFIG_DIR, ConfigError, one_line
+from mlproject.core.constants import CONFIG_DIR
+from mlproject.core.resolvers import register_resolvers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in args if a != "--dry-run"]
     if not any(o.lstrip("+~").startswith("cluster=") for o in overrides):
         overrides = ["cluster=slurm", *overrides]
+    register_resolvers()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides)
-        check_before_submit(cfg)
+        topology = check_before_submit(cfg)
         slurm_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
-        script = sbatch_script(cfg, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
-    except (HydraException, OmegaConfBaseException, ConfigError) as exc:  # one line and exit 2, as in train
+        script = sbatch_script(cfg, topology, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
+    except ERRORS as exc:  # one line and exit 2, as in train
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     if dry_run:

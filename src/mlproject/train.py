@@ -1,27 +1,31 @@
-"""Train a model: `python -m mlproject.train [hydra overrides]`. Reads top to bottom as one run."""
+"""Train a model: `python -m mlproject.train [hydra overrides]`. `train(cfg)` reads top to bottom as one run."""
 
 from __future__ import annotations
 
+import sys
+
 from omegaconf import DictConfig
 
-from mlproject.config import check_monitors, data_parallel_size, hydra_entry, preflight
+from mlproject.cli import hydra_entry
 from mlproject.distributed.launch import launch_local_ranks
+from mlproject.preflight import check_monitors, preflight
 
 
-@hydra_entry("train")
-def main(cfg: DictConfig) -> float | None:
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit and test the model of a composed train config; returns the final metrics. No Hydra inside: call
+    it from Python with a config from `hydra.compose` (one process), or through `main` (any strategy)."""
     # 1. refuse impossible settings before anything heavy is imported or built
-    preflight(cfg)
-    launch_local_ranks(cfg)  # the other ranks of this node start now: their imports overlap with ours
+    topology = preflight(cfg)
+    launch_local_ranks(cfg, topology)  # the other ranks of this node start now: their imports overlap with ours
 
     import lightning as L
     from hydra.utils import instantiate
 
-    from mlproject.checkpoint.io import PortableCheckpointIO
+    from mlproject.build import build_trainer, instantiate_all
     from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
-    from mlproject.utils.instantiate import build_trainer, instantiate_all
-    from mlproject.utils.logging import get_logger
+    from mlproject.checkpoint.storage import PortableCheckpointIO
+    from mlproject.utils.rank_logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
 
     log = get_logger(__name__)
@@ -37,10 +41,9 @@ def main(cfg: DictConfig) -> float | None:
     # + RNG states and config in checkpoints; checkpoints of any strategy and world size load
     trainer = build_trainer(cfg, [*callbacks, RunState(cfg)], plugins=(PortableCheckpointIO(),))
     # a tensor-parallel group reads one batch together: the batch divides over data-parallel ranks only
-    replicas, accumulate = data_parallel_size(cfg), trainer.accumulate_grad_batches
     log.info(
-        f"effective batch size {cfg.data.batch_size} = {datamodule.per_device_batch_size_for(replicas, accumulate)} "
-        f"per device x {replicas} data-parallel rank(s) x {accumulate} accumulation step(s); "
+        f"effective batch size {cfg.data.batch_size} = {topology.per_device_batch_size} per device x "
+        f"{topology.data_parallel_size} data-parallel rank(s) x {topology.accumulate} accumulation step(s); "
         f"precision {trainer.precision}"
     )
     log_hyperparameters(cfg, model, trainer)
@@ -54,15 +57,21 @@ def main(cfg: DictConfig) -> float | None:
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
         metrics.update(trainer.callback_metrics)
 
-    # 4. report: metrics.json in the run directory, a table, and the value a sweeper optimises
+    # 4. report: metrics.json in the run directory and a table
     write_metrics(metrics, cfg.paths.output_dir)
-    print_summary(
-        {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(("val/", "test/"))},
-        cfg.paths.output_dir,
-    )
-    value = metrics.get(cfg.get("optimized_metric"))
-    return None if value is None else float(value)
+    final = {k: float(v) for k, v in sorted(metrics.items())}
+    print_summary({k: v for k, v in final.items() if k.startswith(("val/", "test/"))}, cfg.paths.output_dir)
+    return final
+
+
+@hydra_entry("train")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra's entry: the value returned is what a sweeper optimises."""
+    return train(cfg).get(cfg.get("optimized_metric"))
 
 
 if __name__ == "__main__":
+    from mlproject.checkpoint.resume import continue_run_of_checkpoint
+
+    continue_run_of_checkpoint(sys.argv[1:])  # ckpt_path=<another run's checkpoint>: continue in its directory
     main()

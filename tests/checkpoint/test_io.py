@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlproject.checkpoint.convert import CheckpointError, kind, load_full
-from mlproject.checkpoint.io import ModelCheckpoint, replace
+from mlproject.checkpoint.convert import checkpoint_format, load_full
 from mlproject.checkpoint.resume import continue_run_of_checkpoint, resolve_ckpt_path
+from mlproject.checkpoint.storage import ModelCheckpoint, replace_checkpoint
+from mlproject.core.errors import CheckpointError
 from tests.conftest import run
 
 
@@ -28,13 +29,13 @@ def shards(path: Path, value: float) -> None:
 def test_replace_files_and_directories(tmp_path):
     dst = tmp_path / "last.ckpt"
     save(tmp_path / "a", 1.0)
-    replace(tmp_path / "a", dst)
+    replace_checkpoint(tmp_path / "a", dst)
     assert load_full(dst)["state_dict"]["w"][0] == 1.0
     shards(tmp_path / "b", 2.0)  # a sharded checkpoint replaces a file (e.g. ddp -> fsdp in one run)
-    replace(tmp_path / "b", dst)
-    assert kind(dst) == "sharded" and (dst / "__0_0.distcp").read_text() == "2.0"
+    replace_checkpoint(tmp_path / "b", dst)
+    assert checkpoint_format(dst) == "sharded" and (dst / "__0_0.distcp").read_text() == "2.0"
     shards(tmp_path / "c", 3.0)  # ... and a directory
-    replace(tmp_path / "c", dst)
+    replace_checkpoint(tmp_path / "c", dst)
     assert (dst / "__0_0.distcp").read_text() == "3.0"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -95,7 +96,7 @@ def test_truncated_checkpoint_is_one_clear_line(tmp_path):
     save(ckpt, 1.0)
     ckpt.write_bytes(ckpt.read_bytes()[:300])
     with pytest.raises(CheckpointError, match="last.ckpt is not a readable checkpoint"):
-        kind(ckpt)
+        checkpoint_format(ckpt)
     proc = run("train", f"ckpt_path={ckpt}", "extras.print_config=false", log_dir=tmp_path, check=False)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
@@ -129,7 +130,7 @@ def test_deepspeed_engine_loads_only_its_own_layout(tmp_path):
     """The engine reads a DeepSpeed checkpoint of the same world size and ZeRO layout (stage 1 and 2 share
     one); ZeroStrategy converts any other checkpoint itself."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra")
-    from mlproject.distributed.deepspeed import loads_natively
+    from mlproject.distributed.zero import loads_natively
 
     assert loads_natively(zero(tmp_path / "z2", 2, False), world=2, zero3=False)
     assert loads_natively(zero(tmp_path / "z3", 2, True), world=2, zero3=True)

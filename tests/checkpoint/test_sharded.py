@@ -109,7 +109,7 @@ def assert_cli(args: list[str]) -> None:
     import subprocess
     import sys
 
-    from mlproject.config import PROJECT_ROOT
+    from mlproject.core.constants import PROJECT_ROOT
     from tests.conftest import clean_env
 
     proc = subprocess.run([sys.executable, *args], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True)

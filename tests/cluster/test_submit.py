@@ -8,7 +8,8 @@ import pytest
 
 from mlproject import submit
 from mlproject.cluster.slurm import RENDEZVOUS, check_in_job
-from mlproject.config import ConfigError, world_size
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import Topology
 
 GPU_4X8 = ["cluster.nodes=4", "cluster.gpus_per_node=8", "trainer=gpu", "strategy=ddp", "data.batch_size=256"]
 
@@ -36,7 +37,7 @@ def test_dry_run_four_nodes_of_eight_gpus(capsys, compose_cfg, no_sbatch):
     overrides = srun[srun.index("mlproject.train") + 1 :]
     assert overrides[0] == "cluster=slurm" and "ckpt_path=auto" in overrides
     cfg = compose_cfg(*overrides)
-    assert (cfg.trainer.num_nodes, cfg.trainer.devices, world_size(cfg)) == (4, 8, 32)
+    assert (cfg.trainer.num_nodes, cfg.trainer.devices, Topology.of(cfg).world_size) == (4, 8, 32)
     assert cfg.callbacks.requeue._target_ == "mlproject.cluster.requeue.Requeue"
     assert cfg.trainer.plugins[0].auto_requeue is False  # one requeue owner: the callback
 

@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from mlproject.config import CONFIG_DIR, IGNORE_INDEX
+from mlproject.core.constants import CONFIG_DIR, IGNORE_INDEX
+from mlproject.core.resolvers import register_resolvers
 
 
 def direct(model, dataset) -> dict[str, float]:
@@ -36,6 +37,7 @@ def direct(model, dataset) -> dict[str, float]:
 
 def main(out: str, *overrides: str) -> None:
     warnings.filterwarnings("ignore")
+    register_resolvers()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", [f"paths.output_dir={out}", "trainer.accelerator=cpu", *overrides])

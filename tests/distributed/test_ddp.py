@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from mlproject.config import PROJECT_ROOT
+from mlproject.core.constants import PROJECT_ROOT
 from tests.conftest import clean_env, run_dirs
 from tests.distributed.conftest import EXACT, assert_same_training, train_steps
 from tests.distributed.test_syncbn import free_port

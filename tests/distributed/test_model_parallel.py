@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from mlproject.config import PROJECT_ROOT
+from mlproject.core.constants import PROJECT_ROOT
 from tests.conftest import clean_env, read_metrics, run_dirs
 
 TINY = [

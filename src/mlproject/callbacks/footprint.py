@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback
 
 from mlproject.distributed.parallel import local_bytes
-from mlproject.utils.logging import get_logger
+from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 

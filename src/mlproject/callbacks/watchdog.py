@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from mlproject.utils.logging import get_logger
+from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 

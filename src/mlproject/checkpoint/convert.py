@@ -12,14 +12,10 @@ from typing import Any
 
 import torch
 
-from mlproject.config import ConfigError
+from mlproject.core.errors import CheckpointError
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be read; the message names the file and says what to do."""
-
-
-def kind(path: str | Path) -> str:
+def checkpoint_format(path: str | Path) -> str:
     """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
     path = Path(path)
     if path.is_file():
@@ -129,7 +125,7 @@ def _from_deepspeed(path: Path) -> dict[str, Any]:
 def load_full(path: str | Path) -> dict[str, Any]:
     """The checkpoint at `path` as a Lightning checkpoint dict on the CPU, with full (unsharded) tensors."""
     path = Path(path)
-    fmt = kind(path)
+    fmt = checkpoint_format(path)
     if fmt == "file":
         return torch.load(path, map_location="cpu", weights_only=False)
     return _from_sharded(path) if fmt == "sharded" else _from_deepspeed(path)

@@ -10,21 +10,21 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path) -> str | None:
     """`auto`: this run's checkpoints/last.ckpt when it exists (a re-run or requeue of the same run_id),
     else start fresh. Any other value is an explicit path. Either way a damaged checkpoint stops here with
     a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
-    from mlproject.checkpoint.convert import kind
+    from mlproject.checkpoint.convert import checkpoint_format
 
     if ckpt_path == "auto":
         last = Path(run_dir) / "checkpoints" / "last.ckpt"
-        aside = Path(f"{last}.old")  # a crash between the two renames of a directory save (checkpoint/io.py)
+        aside = Path(f"{last}.old")  # a crash between the two renames of a directory save (checkpoint/storage.py)
         ckpt_path = str(last) if last.exists() else str(aside) if aside.exists() else None
     if ckpt_path is not None:
-        kind(ckpt_path)
+        checkpoint_format(ckpt_path)
     return ckpt_path
 
 
 def continue_run_of_checkpoint(args: list[str]) -> None:
     """`ckpt_path=<log_dir>/<task>/runs/<run_id>/checkpoints/<name>` without `run_id=`: resume in that run's
     directory, so its logs, metrics.csv and W&B run (id `<task>-<run_id>`) continue. Sets the id every rank
-    and every resolver of `${run_id:}` reads (config.run_id)."""
+    and every resolver of `${run_id:}` reads (core/resolvers.run_id)."""
     if os.environ.get("MLPROJECT_RUN_ID") or any(arg.startswith("run_id=") for arg in args):
         return
     for arg in args:

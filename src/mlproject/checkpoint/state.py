@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 
-from mlproject.utils.logging import get_logger
+from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 

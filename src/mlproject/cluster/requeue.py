@@ -19,7 +19,7 @@ from pathlib import Path
 
 import lightning as L
 
-from mlproject.utils.logging import get_logger
+from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 

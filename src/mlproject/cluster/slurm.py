@@ -8,7 +8,8 @@ import sys
 
 from omegaconf import DictConfig
 
-from mlproject.config import ConfigError, data_parallel_size, per_device_batch_size, world_size
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import Topology
 
 # srun starts every process; the rendezvous address is the first node's address as SLURM knows it
 # (its NodeAddr, which resolves even where node names do not), the port is derived from the job id.
@@ -19,7 +20,7 @@ RENDEZVOUS = [
 ]
 
 
-def check(cfg: DictConfig) -> None:
+def check_allocation(cfg: DictConfig) -> None:
     """With cluster=slurm, the Trainer must ask for exactly what the sbatch header allocates."""
     c = cfg.get("cluster") or {}
     if c.get("scheduler") != "slurm":
@@ -57,26 +58,21 @@ def check_in_job(cfg: DictConfig) -> None:
             "cluster=slurm runs one srun task per device inside a SLURM job; submit it with "
             "`python -m mlproject.submit ...` (or drop cluster=slurm to run here)"
         )
-    check(cfg)
+    check_allocation(cfg)
 
 
-def check_before_submit(cfg: DictConfig) -> None:
+def check_before_submit(cfg: DictConfig) -> Topology:
     """What preflight would refuse in the job, minus what only the compute nodes can tell (their GPUs)."""
     if (cfg.get("cluster") or {}).get("scheduler") != "slurm":
         raise ConfigError("mlproject.submit needs a SLURM cluster config; use cluster=slurm (the default of submit)")
-    check(cfg)
-    world = world_size(cfg)
-    if cfg.strategy.get("_target_", "").endswith(".single") and world > 1:
-        raise ConfigError(f"strategy=single runs one process but the job has {world}; use strategy=ddp")
-    if "batch_size" in cfg.get("data", {}):
-        accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
-        per_device_batch_size(cfg.data.batch_size, data_parallel_size(cfg), accumulate)  # TP groups share a batch
+    check_allocation(cfg)
+    return Topology.of(cfg).validate()
 
 
-def sbatch_script(cfg: DictConfig, overrides: list[str], workdir: str, output: str) -> str:
+def sbatch_script(cfg: DictConfig, topology: Topology, overrides: list[str], workdir: str, output: str) -> str:
     """The job: one srun task per device, each running `python -m mlproject.train` with the same overrides.
 
-    The run directory is keyed on SLURM_JOB_ID (config.run_id), so all tasks and all requeues share it,
+    The run directory is keyed on SLURM_JOB_ID (core/resolvers.run_id), so all tasks and all requeues share it,
     and `ckpt_path=auto` makes a requeued job resume there (unless the overrides set ckpt_path).
     """
     c = cfg.cluster
@@ -108,7 +104,7 @@ def sbatch_script(cfg: DictConfig, overrides: list[str], workdir: str, output: s
         [
             "#!/bin/bash",
             *header,
-            f"# trainer.num_nodes={t.num_nodes} trainer.devices={t.devices}: {world_size(cfg)} processes",
+            f"# trainer.num_nodes={t.num_nodes} trainer.devices={t.devices}: {topology.world_size} processes",
             "set -eo pipefail",
             *([c.setup] if c.setup else []),
             *RENDEZVOUS,

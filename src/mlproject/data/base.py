@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from mlproject.config import IGNORE_INDEX, per_device_batch_size
+from mlproject.core.constants import IGNORE_INDEX
+from mlproject.core.topology import per_device_batch_size
 
 PAD = -1  # sampler index of a padding slot
 

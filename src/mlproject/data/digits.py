@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Subset, TensorDataset
 
-from mlproject.config import ConfigError
+from mlproject.core.errors import ConfigError
 from mlproject.data.base import DataModule
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from mlproject.config import ConfigError
+from mlproject.core.errors import ConfigError
 from mlproject.data.base import DataModule
 
 VOCAB_SIZE = 256

@@ -14,15 +14,12 @@ import time
 
 from omegaconf import DictConfig
 
-from mlproject.config import ConfigError, generated_run_id, world_size
+from mlproject.core.errors import ConfigError
+from mlproject.core.resolvers import generated_run_id
+from mlproject.core.topology import Topology
 
 # Strategies that run in the processes they are started in: `single` has one, `ddp_spawn` forks its own.
 NO_RELAUNCH = ("single", "ddp_spawn")
-
-
-def strategy_name(cfg: DictConfig) -> str:
-    return cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] if cfg.get("strategy") else ""
-
 
 # Set in every process by a launcher that starts all ranks itself: torchrun, Kubeflow (RANK), Open MPI,
 # MPICH / Intel MPI, LSF's jsrun (as Lightning's cluster environments read them).
@@ -34,10 +31,9 @@ def launched_externally() -> bool:
     return any(v in os.environ for v in EXTERNAL_RANK_VARS) or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
-def check_launch(cfg: DictConfig, multirun: bool) -> None:
-    strategy, nodes = strategy_name(cfg), int(cfg.trainer.get("num_nodes", 1))
-    per_node = world_size(cfg) // nodes
-    if multirun and per_node > 1 and strategy not in NO_RELAUNCH and not launched_externally():
+def check_launch(cfg: DictConfig, topology: Topology, multirun: bool) -> None:
+    strategy, nodes = topology.strategy, topology.nodes
+    if multirun and topology.devices_per_node > 1 and strategy not in NO_RELAUNCH and not launched_externally():
         raise ConfigError(
             f"hydra multirun (-m) cannot use strategy={strategy}: it re-runs this script once per process, "
             "which would start the whole sweep again in each; use the SLURM launcher "
@@ -50,8 +46,8 @@ def check_launch(cfg: DictConfig, multirun: bool) -> None:
         )
 
 
-def check_deepspeed(cfg: DictConfig) -> None:
-    if strategy_name(cfg) != "deepspeed":
+def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
+    if topology.strategy != "deepspeed":
         return
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("strategy=deepspeed_* needs DeepSpeed; install it with pip install '.[deepspeed]'")
@@ -75,7 +71,7 @@ _polling = threading.Lock()  # Popen.poll() returns None in one thread while ano
 _reported: set[int] = set()
 
 
-def launch_local_ranks(cfg: DictConfig) -> None:
+def launch_local_ranks(cfg: DictConfig, topology: Topology) -> None:
     """Start this node's local ranks 1..N-1 now, with this command line, and make this process local rank 0.
 
     Lightning's launcher would start them only inside trainer.fit, after this process imported and built
@@ -84,11 +80,11 @@ def launch_local_ranks(cfg: DictConfig) -> None:
     """
     from hydra.core.hydra_config import HydraConfig
 
-    nodes = int(cfg.trainer.get("num_nodes", 1))
-    per_node = world_size(cfg) // nodes
+    nodes, per_node = topology.nodes, topology.devices_per_node
     if (
         per_node < 2
-        or strategy_name(cfg) in ("", *NO_RELAUNCH)
+        or topology.strategy in ("", *NO_RELAUNCH)
+        or not HydraConfig.initialized()  # train(cfg) called from Python: Lightning launches as usual
         or launched_externally()
         or "SLURM_NTASKS" in os.environ  # Lightning's SLURMEnvironment: srun starts the ranks
         or (cfg.get("cluster") or {}).get("scheduler")

@@ -32,10 +32,10 @@ class ModelParallel(ModelParallelStrategy):
         # A full checkpoint (single, ddp, or a DeepSpeed directory converted) keys optimizer state by position,
         # which Lightning maps to parameters in module order; re-key it by name in the optimizers' own order
         # first (checkpoint/convert.py).
-        from mlproject.checkpoint.convert import kind, load_full, name_optimizer_states
+        from mlproject.checkpoint.convert import checkpoint_format, load_full, name_optimizer_states
 
         path = Path(self.broadcast(checkpoint_path))
-        sharded = path.is_dir() and kind(path) == "sharded"  # kind() of a file would read it all (CRC check)
+        sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
         checkpoint = load_full(path)

@@ -6,7 +6,8 @@ from datetime import timedelta
 
 from omegaconf import DictConfig
 
-from mlproject.config import ConfigError, world_size
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import Topology
 
 
 def single(timeout: float | None = None):
@@ -30,7 +31,7 @@ def ddp_spawn(timeout: float = 1800, start_method: str = "spawn", **kwargs):
 
 def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kwargs):
     """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
-    from mlproject.distributed.deepspeed import ZeroStrategy, use_extensions_cache
+    from mlproject.distributed.zero import ZeroStrategy, use_extensions_cache
 
     use_extensions_cache()
     return ZeroStrategy(
@@ -49,23 +50,12 @@ def model_parallel(timeout: float = 1800, tensor_parallel_size: int = 1, fsdp: d
     return ModelParallel(tensor_parallel_size, fsdp, timeout=timedelta(seconds=timeout), **kwargs)
 
 
-def check_model_parallel(cfg: DictConfig) -> None:
-    """Preflight for strategy=fsdp|tp|fsdp_tp: settings that cannot work, refused before any process starts."""
-    strategy = cfg.get("strategy") or {}
-    if not str(strategy.get("_target_", "")).endswith("model_parallel"):
+def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
+    """Preflight for strategy=fsdp|tp|fsdp_tp: what the model and the machine must allow (the topology's own
+    shape was validated already)."""
+    if not topology.model_parallel:
         return
-    world, tp, sharded = world_size(cfg), int(strategy.get("tensor_parallel_size", 1)), strategy.get("fsdp") is not None
-    name = "fsdp" if tp == 1 else "fsdp_tp" if sharded else "tp"
-    if tp < 1 or world % tp:
-        raise ConfigError(
-            f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
-            "(trainer.devices x trainer.num_nodes); change one of them"
-        )
-    if not sharded and tp != world:
-        raise ConfigError(
-            f"strategy=tp puts all {world} process(es) in one tensor-parallel group but "
-            f"strategy.tensor_parallel_size={tp}; set it to {world}, or use strategy=fsdp_tp to add data parallelism"
-        )
+    strategy, tp, name = cfg.strategy, topology.tensor_parallel_size, topology.strategy
     heads = (cfg.model.get("net") or {}).get("n_head")
     if heads is not None and heads % tp:
         raise ConfigError(f"model.net.n_head={heads} must divide by strategy.tensor_parallel_size={tp}")

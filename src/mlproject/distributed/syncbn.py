@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mlproject.utils.logging import get_logger
+from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 

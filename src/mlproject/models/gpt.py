@@ -10,7 +10,7 @@ import lightning as L
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from mlproject.config import IGNORE_INDEX
+from mlproject.core.constants import IGNORE_INDEX
 from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
 from mlproject.models.metrics import LanguageModelMetrics
 from mlproject.models.optim import adamw, warmup_cosine

@@ -9,7 +9,7 @@ from torch import nn
 from torchmetrics import MeanMetric, Metric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
 
-from mlproject.config import IGNORE_INDEX
+from mlproject.core.constants import IGNORE_INDEX
 
 
 class ClassificationMetrics(nn.Module):

@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
-from mlproject.utils.logging import get_logger
+from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mlproject.utils.logging import drop_lightning_console_handler, get_logger, rank
+from mlproject.utils.rank_logging import drop_lightning_console_handler, get_logger, rank
 
 log = get_logger(__name__)
 

@@ -12,7 +12,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
 
-def replace(src: str | Path, dst: str | Path) -> None:
+def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Move a checkpoint file or directory `src` to `dst`, replacing what is there.
 
     A file replaces a file in one atomic rename. rename(2) cannot replace a non-empty directory, so an
@@ -62,7 +62,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         trainer.strategy.barrier("checkpoint_tmp_removed")
         trainer.save_checkpoint(tmp, self.save_weights_only)  # every rank; ends with a barrier
         if trainer.is_global_zero:
-            replace(tmp, filepath)
+            replace_checkpoint(tmp, filepath)
         trainer.strategy.barrier("checkpoint_renamed")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath

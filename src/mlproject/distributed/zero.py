@@ -12,7 +12,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from mlproject.config import PROJECT_ROOT
+from mlproject.core.constants import PROJECT_ROOT
 
 
 def use_extensions_cache() -> None:
@@ -22,9 +22,9 @@ def use_extensions_cache() -> None:
 
 def loads_natively(path: Path, world: int, zero3: bool) -> bool:
     """Whether DeepSpeed's engine loads `path` itself: its own checkpoint, same world size and ZeRO layout."""
-    from mlproject.checkpoint.convert import kind
+    from mlproject.checkpoint.convert import checkpoint_format
 
-    if not path.is_dir() or kind(path) != "deepspeed":
+    if not path.is_dir() or checkpoint_format(path) != "deepspeed":
         return False
     shards = path / (path / "latest").read_text().strip()
     ranks, stage3 = len(list(shards.glob("*_optim_states.pt"))), any(shards.glob("zero_pp_rank_*_model_states.pt"))

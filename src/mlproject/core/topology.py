@@ -1,0 +1,104 @@
+"""The job's shape, built once from the composed config and validated once (torchtitan's ParallelDims idea).
+
+Every question of the kind "how many processes, which of them read different batches, which strategy" is
+answered here: preflight, the launch checks, the data's batch split and the SLURM renderer all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlproject.core.errors import ConfigError
+
+# configs/strategy/*.yaml name a factory in distributed/strategies.py; model_parallel covers three options
+MODEL_PARALLEL = ("fsdp", "tp", "fsdp_tp")
+
+
+def per_device_batch_size(batch_size: int, replicas: int, accumulate: int = 1) -> int:
+    """The global batch size split over data-parallel ranks (the world, without tensor-parallel groups) and
+    accumulation steps; it must divide exactly."""
+    if batch_size % (replicas * accumulate):
+        raise ConfigError(
+            f"data.batch_size={batch_size} is the global batch size and must divide by world size {replicas} "
+            f"x trainer.accumulate_grad_batches {accumulate}; use a multiple of {replicas * accumulate}"
+        )
+    return batch_size // (replicas * accumulate)
+
+
+def _devices(devices, accelerator: str) -> int:
+    """trainer.devices as Lightning counts it: an int, "auto"/-1 (all visible GPUs, else 1), "0,1" or a list."""
+    if isinstance(devices, str) and devices != "auto":
+        devices = int(devices) if devices.strip().lstrip("-").isdigit() else len(devices.split(","))
+    if devices in ("auto", -1):
+        import torch
+
+        gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        return torch.cuda.device_count() if gpu else 1
+    return devices if isinstance(devices, int) else len(devices)
+
+
+@dataclass(frozen=True)
+class Topology:
+    strategy: str  # single | ddp | ddp_spawn | deepspeed | fsdp | tp | fsdp_tp, or a custom strategy's class name
+    nodes: int = 1
+    devices_per_node: int = 1
+    tensor_parallel_size: int = 1
+    accumulate: int = 1  # micro-batches per optimizer step
+    global_batch_size: int | None = None  # data.batch_size, if the data has one
+
+    @classmethod
+    def of(cls, cfg) -> Topology:
+        strategy = cfg.get("strategy") or {}
+        name = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
+        tp = int(strategy.get("tensor_parallel_size", 1))
+        if name == "model_parallel":
+            name = "tp" if strategy.get("fsdp") is None else "fsdp" if tp == 1 else "fsdp_tp"
+        data = cfg.get("data") or {}
+        return cls(
+            strategy=name,
+            nodes=int(cfg.trainer.get("num_nodes", 1)),
+            devices_per_node=_devices(cfg.trainer.devices, cfg.trainer.accelerator),
+            tensor_parallel_size=tp,
+            accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
+            global_batch_size=data.get("batch_size"),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that read different batches: a tensor-parallel group reads one batch together."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.strategy in MODEL_PARALLEL
+
+    @property
+    def per_device_batch_size(self) -> int:
+        return per_device_batch_size(self.global_batch_size, self.data_parallel_size, self.accumulate)
+
+    def validate(self) -> Topology:
+        """Refuse a shape that cannot run, in one line naming the fix; returns itself."""
+        world, tp = self.world_size, self.tensor_parallel_size
+        if self.strategy == "single" and world > 1:
+            raise ConfigError(
+                f"strategy=single runs one process but trainer.devices x trainer.num_nodes = {world}; "
+                "use strategy=ddp (or trainer.devices=1)"
+            )
+        if tp < 1 or world % tp:
+            raise ConfigError(
+                f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
+                "(trainer.devices x trainer.num_nodes); change one of them"
+            )
+        if self.strategy == "tp" and tp != world:
+            raise ConfigError(
+                f"strategy=tp puts all {world} process(es) in one tensor-parallel group but "
+                f"strategy.tensor_parallel_size={tp}; set it to {world}, "
+                "or use strategy=fsdp_tp to add data parallelism"
+            )
+        if self.global_batch_size is not None:
+            self.per_device_batch_size  # noqa: B018 (raises if the global batch does not divide)
+        return self

@@ -1,0 +1,97 @@
+"""Every impossible setting, caught before anything is built, with the fix in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import Topology
+
+
+def check_override_types(cfg: DictConfig) -> None:
+    """Refuse `key=value` overrides whose type differs from the default's (e.g. trainer.max_epochs=ten).
+
+    Hydra accepts any value for a key in a plain YAML config; the mistake would otherwise surface deep
+    inside Lightning. Compare against the same config composed with the group choices only.
+    """
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():  # train(cfg) called from Python: no command-line overrides to check
+        return
+    hc = HydraConfig.get()
+    overrides = OverridesParser.create().parse_overrides(list(hc.overrides.task))
+    groups = set(hc.runtime.choices)
+    values = [o for o in overrides if o.key_or_group not in groups and not o.is_delete() and not o.is_add()]
+    if not values or hc.mode.name == "MULTIRUN":  # sweep values are lists and ranges: checked per trial
+        return
+    base = compose(hc.job.config_name, [o.input_line for o in overrides if o not in values])
+    for o in values:
+        if o.key_or_group.startswith("hydra."):
+            continue
+        default, given = OmegaConf.select(base, o.key_or_group), OmegaConf.select(cfg, o.key_or_group)
+        if default is None or given is None or isinstance(default, str):
+            continue
+        expected = (int, float) if isinstance(default, float) else type(default)
+        if isinstance(given, bool) != isinstance(default, bool) or not isinstance(given, expected):
+            raise ConfigError(
+                f"{o.key_or_group}={given!r} must be of type {type(default).__name__}, like the default {default!r}"
+            )
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    import torch
+
+    accelerator = cfg.trainer.accelerator
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator=gpu but no CUDA GPU is visible; use trainer=cpu")
+        if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > torch.cuda.device_count():
+            raise ConfigError(
+                f"trainer.devices={cfg.trainer.devices} but this machine has {torch.cuda.device_count()} "
+                f"GPU(s); use trainer.devices={torch.cuda.device_count()} or fewer"
+            )
+    precision = str(cfg.trainer.precision)
+    if precision.startswith("16") and (accelerator == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError(
+            f"trainer.precision={precision} needs a CUDA GPU (on CPU Lightning would silently use bf16); "
+            "use trainer.precision=32-true or bf16-mixed"
+        )
+
+
+def preflight(cfg: DictConfig) -> Topology:
+    """Check the composed config as a whole; returns the job's validated topology."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from mlproject.cluster.slurm import check_in_job
+    from mlproject.distributed.launch import check_deepspeed, check_launch
+    from mlproject.distributed.strategies import check_model_parallel
+
+    check_override_types(cfg)
+    topology = Topology.of(cfg)
+    check_in_job(cfg)
+    check_accelerator(cfg)
+    topology.validate()
+    check_model_parallel(cfg, topology)
+    ckpt = cfg.get("ckpt_path")
+    if ckpt and ckpt != "auto" and not Path(ckpt).exists():
+        raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
+    check_launch(cfg, topology, multirun=HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN")
+    check_deepspeed(cfg, topology)
+    return topology
+
+
+def check_monitors(callbacks: list, model) -> None:
+    """A checkpoint or early-stopping monitor must be equal on every rank, or ranks decide differently
+    (one saves, one does not) and the job hangs in the next collective."""
+    synced = getattr(model, "synced_metrics", None)
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if monitor and synced is not None and monitor not in synced:
+            raise ConfigError(
+                f"{type(callback).__name__} monitors '{monitor}', which is not synced across ranks; "
+                f"use one of: {', '.join(sorted(synced))}"
+            )
