@@ -163,7 +163,9 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     train_yaml.write_text(re.sub(r"^seed:.*$", "seed: 7  # mine", train_yaml.read_text(), count=1, flags=re.M))
     sh("git", "commit", "-qam", "my edits", cwd=root, env=env)
     # The template's v2: a new module that imports the package, and the same seed line changed.
-    (template / "src/mlproject/utils/news.py").write_text(f'"""New in v2."""\n\nfrom {OLD}.core.errors import ConfigError\n')
+    (template / "src/mlproject/utils/news.py").write_text(
+        f'"""New in v2."""\n\nfrom {OLD}.core.errors import ConfigError\n'
+    )
     tpl_train = template / "configs/train.yaml"
     tpl_train.write_text(re.sub(r"^seed:.*$", "seed: 0  # v2", tpl_train.read_text(), count=1, flags=re.M))
     sh("git", "add", "-A", cwd=template, env=env)
