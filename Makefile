@@ -14,8 +14,14 @@ TORCH_INDEX ?=
 ARGS   ?=
 CKPT   ?=
 OUT    ?= model.pt
-# `make train trainer.max_epochs=3` works too: command-line variables that are not ours are overrides.
-OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=% OUT=% NAME=% EXAMPLES=%,$(MAKEOVERRIDES)) $(ARGS)
+# `make train trainer.max_epochs=3` works too: command-line variables that are not ours are Hydra overrides,
+# passed on in their order (MAKEOVERRIDES lists them last first), each quoted for the shell. MAKEOVERRIDES
+# itself escapes spaces its own way, which split `ARGS="a=1 b=2 c=3"` wrongly; the shell splits ARGS.
+OURS      = VENV TORCH TORCH_INDEX ARGS CKPT OUT NAME EXAMPLES
+quote     = '$(subst ','\'',$(1))'
+reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
+CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
+OVERRIDES = $(foreach v,$(CLI_NAMES),$(if $(filter command line,$(origin $(v))),$(call quote,$(v)=$(value $(v))))) $(ARGS)
 
 .PHONY: help install train eval export test test-fast lint format clean
 
