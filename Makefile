@@ -51,7 +51,7 @@ export: install ## any checkpoint -> one plain state dict: make export CKPT=path
 test: install ## run the whole test suite
 	$(PY) -m pytest $(ARGS)
 
-test-fast: install ## run the tests that start no extra processes
+test-fast: install ## the quick tests: all but those marked slow (multi-process training, long end-to-end runs)
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
 lint: install ## ruff lint and format check

@@ -1,108 +1,18 @@
-"""Shared test helpers: compose configs in-process, run entry points as real processes."""
+"""Fixtures shared by all tests: composed configs, and one real training run that several tests inspect."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from mlproject.core.constants import CONFIG_DIR, PROJECT_ROOT
+from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.resolvers import register_resolvers
+from tests.helpers.processes import FAST, run, run_dirs
 
 register_resolvers()  # as the entry points do: composed configs use ${run_id:}, ${precision:}, ...
-
-# Runs in tests stay small: few epochs, no config tree, quiet warnings.
-FAST = ["extras.print_config=false", "trainer.max_epochs=2"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment for a child run: no ids or ranks inherited from this process or a scheduler."""
-    drop = (
-        "MLPROJECT_RUN_ID",
-        "SLURM_",
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_",
-        "NODE_RANK",
-        "TORCHELASTIC",
-        "HYDRA_FULL_ERROR",
-        "_MLPROJECT",
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    # One thread per process: the multi-process tests run several processes on few cores, where torch's
-    # default thread pools only spin against each other.
-    env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
-    env.update(extra)
-    return env
-
-
-def run(
-    module: str,
-    *overrides: str,
-    log_dir: Path,
-    timeout: int = 240,
-    check: bool = True,
-    env: dict | None = None,
-) -> subprocess.CompletedProcess:
-    """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output."""
-    cmd = [sys.executable, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
-    proc = subprocess.run(
-        cmd, cwd=PROJECT_ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
-    root = log_dir / task / "runs"
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
-
-
-def read_metrics(run_dir: Path) -> dict[str, float]:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
-    """Start `world` real processes of `script` as ranks of one gloo job on 127.0.0.1 (the environment
-    torchrun would give them); Lightning sees LOCAL_RANK and launches nothing itself."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), *args],
-            cwd=PROJECT_ROOT,
-            env=clean_env(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                WORLD_SIZE=str(world),
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                NODE_RANK="0",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
 
 
 @pytest.fixture

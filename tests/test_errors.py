@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run, run_dirs
+from tests.helpers.processes import run_dirs, run_in_process
 
 CASES = {
     "unknown option": (["model=resnet"], "Available options in 'model': digits"),
@@ -23,15 +23,15 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_override_gives_one_line(case, tmp_path):
     overrides, expected = CASES[case]
-    proc = run("train", *overrides, "extras.print_config=false", log_dir=tmp_path, check=False)
-    assert proc.returncode == 2
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    code, stderr = run_in_process("train", *overrides, "extras.print_config=false", log_dir=tmp_path)
+    assert code == 2
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert expected in lines[0]
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "Traceback" not in stderr
     assert not any(d.joinpath("checkpoints").exists() for d in run_dirs(tmp_path))  # nothing half-written
 
 
 def test_eval_without_checkpoint(tmp_path):
-    proc = run("eval", log_dir=tmp_path, check=False)
-    assert proc.returncode == 2 and "ckpt_path" in proc.stderr and "Traceback" not in proc.stderr
+    code, stderr = run_in_process("eval", log_dir=tmp_path)
+    assert code == 2 and "ckpt_path" in stderr and "Traceback" not in stderr

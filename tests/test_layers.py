@@ -45,9 +45,7 @@ def layer(module: str) -> int:
 
 
 def test_imports_only_go_down():
-    upward = [
-        f"{a} imports {b}" for a, targets in imports().items() for b in sorted(targets) if layer(b) > layer(a)
-    ]
+    upward = [f"{a} imports {b}" for a, targets in imports().items() for b in sorted(targets) if layer(b) > layer(a)]
     assert not upward, "\n".join(upward)
 
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-
 import pytest
 
-from mlproject.core.constants import PROJECT_ROOT
+from tests.helpers.processes import make_command
 
 # make command line (as a shell would read it) -> the overrides the Python command must receive
 THREE = ["trainer.max_epochs=1", "seed=3", "data.batch_size=32"]
@@ -26,15 +23,6 @@ CASES = {
 }  # fmt: skip
 
 
-def python_args(make_line: str) -> list[str]:
-    """The arguments after `-m mlproject.<module>` of the command `make -n` would run."""
-    out = subprocess.run(
-        ["make", "-n", *shlex.split(make_line)], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    (line,) = [ln for ln in out.splitlines() if " -m mlproject." in ln]
-    return shlex.split(line)[3:]
-
-
 @pytest.mark.parametrize("make_line", CASES)
 def test_make_passes_overrides_through(make_line):
-    assert python_args(make_line) == CASES[make_line]
+    assert make_command(make_line) == CASES[make_line]

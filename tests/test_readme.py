@@ -13,8 +13,7 @@ import shlex
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.conftest import run
-from tests.test_make import python_args
+from tests.helpers.processes import make_command, run
 
 README = PROJECT_ROOT / "README.md"
 NOT_RUN = {"test", "test-fast", "lint", "format", "install"}  # the suite itself, and the tools around it
@@ -38,7 +37,7 @@ def test_readme_command_runs(command, trained_run, tmp_path):
     command = command.replace("logs/train/runs/<run_id>", str(trained_run)).replace(
         "OUT=model.pt", f"OUT={tmp_path}/m.pt"
     )
-    target, args = shlex.split(command)[0], python_args(command)
+    target, args = shlex.split(command)[0], make_command(command)
     module = MODULES[target]
     if module == "submit":  # renders the sbatch script only; tests/cluster/ submits for real
         proc = run(module, *args, log_dir=tmp_path)

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
-
-from .conftest import clean_env
+from tests.helpers.processes import clean_env
 
 spec = importlib.util.spec_from_file_location("rename_project", PROJECT_ROOT / "scripts" / "rename_project.py")
 rename_project = sys.modules["rename_project"] = importlib.util.module_from_spec(spec)  # scripts/ is no package
@@ -134,7 +133,8 @@ def test_copier_project_passes_its_tests_and_trains(copier_project, tmp_path):
     overrides = ["trainer.max_epochs=1", "extras.print_config=false", f"paths.log_dir={tmp_path}", *limits]
     sh(sys.executable, "-m", "cool_net.train", *overrides, cwd=root, env=env, timeout=300)
     metrics = json.loads((tmp_path / "train/runs/first/metrics.json").read_text())  # the renamed env var names the run
-    assert 0 <= metrics["test/acc"] <= 1
+    assert metrics["test/samples"] == 2 * 64  # 2 test batches of the global batch, each sample once
+    assert set(metrics) == {"test/acc", "test/f1", "test/auroc", "test/loss", "test/samples"}
 
 
 def test_cookiecutter_gives_the_same_project(template, copier_project, tmp_path, tool_env):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST, read_metrics, run, run_dirs
+from tests.helpers.processes import FAST, read_metrics, run, run_dirs
 
 
 def test_default_run_is_accurate_and_quick(trained_run):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mlproject.checkpoint.convert import load_full
-from tests.conftest import run
+from tests.helpers.processes import run
 
 # 3 epochs of 19 optimizer steps on the digits data, fp32 on the CPU
 BASE = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=3", "logger=csv"]
@@ -25,7 +25,7 @@ def strategy(name: str, devices: int = 1) -> list[str]:
 def kill_at(step: int, rank: int | None = None, stamp: Path | None = None) -> list[str]:
     """Overrides adding a callback that SIGKILLs the process(es) when optimizer step `step` starts."""
     return [
-        "+callbacks.kill._target_=tests.checkpoint.killer.KillAt",
+        "+callbacks.kill._target_=tests.helpers.callbacks.KillAt",
         f"+callbacks.kill.step={step}",
         f"+callbacks.kill.rank={'null' if rank is None else rank}",
         f"+callbacks.kill.stamp={'null' if stamp is None else stamp}",

@@ -10,9 +10,9 @@ import torch
 
 from mlproject.checkpoint.convert import checkpoint_format, load_full
 from mlproject.checkpoint.resume import continue_run_of_checkpoint, resolve_ckpt_path
-from mlproject.checkpoint.storage import ModelCheckpoint, replace_checkpoint
+from mlproject.checkpoint.storage import replace_checkpoint
 from mlproject.core.errors import CheckpointError
-from tests.conftest import run
+from tests.helpers.processes import run
 
 
 def save(path: Path, value: float) -> None:
@@ -51,44 +51,22 @@ def test_auto_resumes_from_the_directory_moved_aside(tmp_path):
     assert resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt")
 
 
-class Killed(BaseException):
-    pass
-
-
-class FakeStrategy:
-    def remove_checkpoint(self, path):
-        Path(path).unlink(missing_ok=True)
-
-    def barrier(self, name=None):
-        pass
-
-
-class FakeTrainer:
-    """Enough of a Trainer for ModelCheckpoint._save_checkpoint; its save dies halfway when told to."""
-
-    is_global_zero, global_step, loggers, strategy = True, 0, [], FakeStrategy()
-
-    def __init__(self, die: bool):
-        self.die = die
-
-    def save_checkpoint(self, path, weights_only=False):
-        save(Path(path), 2.0)
-        if self.die:
-            with open(path, "r+b") as f:
-                f.truncate(100)
-            raise Killed
-
-
+@pytest.mark.slow
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path):
-    last = tmp_path / "last.ckpt"
-    save(last, 1.0)
-    callback = ModelCheckpoint(dirpath=tmp_path)
-    with pytest.raises(Killed):
-        callback._save_checkpoint(FakeTrainer(die=True), str(last))
-    assert load_full(last)["state_dict"]["w"][0] == 1.0  # untouched
-    callback._save_checkpoint(FakeTrainer(die=False), str(last))  # the next save clears the leftover
-    assert load_full(last)["state_dict"]["w"][0] == 2.0
-    assert not (tmp_path / "last.ckpt.tmp").exists()
+    """A real run, SIGKILLed while the checkpoint of step 10 is half written: last.ckpt still holds step 5,
+    and `ckpt_path=auto` resumes from it and leaves no partial file behind."""
+    every5 = ["trainer=cpu", "extras.print_config=false", "run_id=killed", "test=false", "trainer.max_epochs=1"]
+    every5.append("callbacks.model_checkpoint.every_n_train_steps=5")
+    kill = ["+callbacks.kill._target_=tests.helpers.callbacks.KillMidSave", "+callbacks.kill.step=10"]
+    proc = run("train", *every5, *kill, log_dir=tmp_path, check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpts = tmp_path / "train" / "runs" / "killed" / "checkpoints"
+    with pytest.raises(CheckpointError, match="truncated"):  # the save the kill cut short
+        checkpoint_format(ckpts / "last.ckpt.tmp")
+    assert load_full(ckpts / "last.ckpt")["global_step"] == 5  # the previous one, untouched
+    run("train", *every5, "ckpt_path=auto", log_dir=tmp_path)
+    assert load_full(ckpts / "last.ckpt")["global_step"] == 19  # one epoch of the digits
+    assert not list(ckpts.glob("*.tmp"))
 
 
 def test_truncated_checkpoint_is_one_clear_line(tmp_path):

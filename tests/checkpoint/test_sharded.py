@@ -24,7 +24,7 @@ from tests.checkpoint.helpers import (
     train,
     weights,
 )
-from tests.conftest import run
+from tests.helpers.processes import run
 
 DATA = [
     "data.block_size=32",
@@ -110,7 +110,7 @@ def assert_cli(args: list[str]) -> None:
     import sys
 
     from mlproject.core.constants import PROJECT_ROOT
-    from tests.conftest import clean_env
+    from tests.helpers.processes import clean_env
 
     proc = subprocess.run([sys.executable, *args], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from mlproject.cluster.slurm import RENDEZVOUS
-from tests.conftest import PROJECT_ROOT, clean_env, read_metrics, run, run_dirs
+from mlproject.core.constants import PROJECT_ROOT
+from tests.helpers.processes import clean_env, read_metrics, run, run_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # all jobs start in the first test's setup
 
@@ -81,7 +82,7 @@ def preempt(slurm, job: str) -> str:
     return slurm.wait(job, requeue_now=True)
 
 
-SLOW = ["+callbacks.slow._target_=tests.cluster.slow.SlowSteps", "+callbacks.slow.seconds=0.5"]
+SLOW = ["+callbacks.slow._target_=tests.helpers.callbacks.SlowSteps", "+callbacks.slow.seconds=0.5"]
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run, run_dirs
+from tests.helpers.processes import run, run_dirs
 
 STEPS = 20
 # fp32, fixed seed, dropout 0, the same global batch (64) on any world size; SyncBN so that BatchNorm sees
@@ -27,7 +27,7 @@ EXACT = [
     "trainer.sync_batchnorm=true",
     "model.net.channels=8",
     "model.net.dropout=0.0",
-    "+callbacks.steps._target_=tests.distributed.steps.RecordSteps",
+    "+callbacks.steps._target_=tests.helpers.callbacks.RecordSteps",
 ]
 
 CHECKPOINT = ["+callbacks.steps.checkpoint=true"]  # also save the final checkpoint, as run_dir/last.ckpt

@@ -72,7 +72,7 @@ def main(out: str, *overrides: str) -> None:
 def compare(tmp_path: Path, strategy: str, overrides: list[str]) -> tuple[dict, dict]:
     """Run this worker on 1 process (direct reference) and on 2 under `strategy`; both ranks must agree.
     Returns (what 2 processes logged, the reference)."""
-    from tests.conftest import launch
+    from tests.helpers.processes import launch
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.conftest import clean_env, run_dirs
 from tests.distributed.conftest import EXACT, assert_same_training, train_steps
-from tests.distributed.test_syncbn import free_port
+from tests.helpers.processes import clean_env, free_port, run_dirs
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torchmetrics.functional.classification import multiclass_accuracy, multiclass_auroc, multiclass_f1_score
 
 from mlproject.data.digits import DigitsDataModule
-from tests.conftest import launch, read_metrics, run, run_dirs
 from tests.distributed import eval_worker, sharded_eval_worker
+from tests.helpers.processes import launch, read_metrics, run, run_dirs
 
 WORKER = Path(eval_worker.__file__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlproject.distributed.launch import EXTERNAL_RANK_VARS, launched_externally
-from tests.conftest import run, run_dirs
+from tests.helpers.processes import run, run_dirs
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_a_killed_rank_ends_the_job_at_once(tmp_path, rank):
     """Rank 1 SIGKILLed: rank 0 sees it within a second and exits non-zero. Rank 0 SIGKILLed: the kernel
     kills rank 1 (PR_SET_PDEATHSIG). Neither waits for strategy.timeout (300 s here)."""
     stamp = tmp_path / "killed_at"
-    kill = ["+callbacks.kill._target_=tests.checkpoint.killer.KillAt", "+callbacks.kill.step=1"]
+    kill = ["+callbacks.kill._target_=tests.helpers.callbacks.KillAt", "+callbacks.kill.step=1"]
     kill += [f"+callbacks.kill.rank={rank}", f"+callbacks.kill.stamp={stamp}", "strategy.timeout=300"]
     proc = run("train", *TINY, *probe(tmp_path / "startup"), *kill, log_dir=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.conftest import clean_env, read_metrics, run_dirs
+from tests.helpers.processes import clean_env, read_metrics, run_dirs
 
 TINY = [
     "model=gpt",
@@ -27,7 +27,7 @@ TINY = [
     "extras.print_config=false",
     "callbacks=none",
     "+callbacks.footprint._target_=mlproject.callbacks.footprint.ModelFootprint",
-    "+callbacks.recorder._target_=tests.distributed.recorder.Recorder",
+    "+callbacks.recorder._target_=tests.helpers.callbacks.RecordSteps",
     "model.net.n_layer=2",
     "model.net.n_head=4",
     "model.net.n_embd=32",
@@ -64,7 +64,7 @@ ZERO_GRADIENT = "attn.k.bias"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    """name -> {losses, params, metrics, footprint (bytes per rank)}.
+    """name -> {losses, state, metrics, footprint (bytes per rank)}.
 
     The runs start together, one thread per process, to fill the CPUs without oversubscribing them.
     """
@@ -96,12 +96,12 @@ def test_same_training_as_one_process(runs, name):
     assert len(got["losses"]) == len(ref["losses"]) == 6
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it learns: the comparison is not between constants
-    assert got["params"].keys() == ref["params"].keys()
-    for key, value in ref["params"].items():
+    assert got["state"].keys() == ref["state"].keys()
+    for key, value in ref["state"].items():
         if key.endswith(ZERO_GRADIENT):
-            assert got["params"][key].abs().max() < 1e-4 and value.abs().max() < 1e-4, key
+            assert got["state"][key].abs().max() < 1e-4 and value.abs().max() < 1e-4, key
         else:
-            torch.testing.assert_close(got["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
     assert got["metrics"]["test/loss"] == pytest.approx(ref["metrics"]["test/loss"], rel=LOSS_RTOL)
     # near-tied logits may flip the argmax of a token or two among the ~2,300 test tokens
     assert got["metrics"]["test/acc"] == pytest.approx(ref["metrics"]["test/acc"], abs=1e-3)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,14 +9,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mlproject.distributed.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
+from tests.helpers.processes import free_port
 
 B, C, STEPS, TOL = 4, 3, 3, 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def data(world: int):

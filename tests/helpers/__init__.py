@@ -1,0 +1,1 @@
+"""What tests share: running entry points as processes, test-only callbacks, the GPU marker."""

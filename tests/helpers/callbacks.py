@@ -1,0 +1,96 @@
+"""Test-only callbacks, named by `+callbacks.<key>._target_=tests.helpers.callbacks.<Class>` overrides."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+
+
+class RecordSteps(Callback):
+    """The global training loss of every step and the full final state, saved by rank 0 to `path`
+    (default: `steps.pt` in the run directory) as {"losses", "state"}; with `checkpoint`, every rank also
+    takes part in saving the final checkpoint as `last.ckpt` in the run directory."""
+
+    def __init__(self, path: str | None = None, checkpoint: bool = False) -> None:
+        self.path, self.checkpoint, self.losses = path, checkpoint, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The mean over ranks of each rank's mean loss = the loss of the whole global batch.
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        run_dir = Path(trainer.default_root_dir)
+        if self.checkpoint:
+            trainer.save_checkpoint(run_dir / "last.ckpt")
+        params = list(pl_module.parameters())
+        gather = nullcontext()
+        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 holds a shard per rank: gather the full tensors
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(params)
+        with gather:  # fsdp/tp hold DTensors: full_tensor() gathers them (a collective on every rank)
+            state = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                for k, v in pl_module.state_dict().items()
+            }
+        if trainer.is_global_zero:
+            torch.save({"losses": self.losses, "state": state}, self.path or run_dir / "steps.pt")
+
+
+class KillAt(Callback):
+    """SIGKILL this process (a real, uncatchable kill, no cleanup) when optimizer step `step` is about to
+    run, on `rank` only or on every rank, after writing the wall time to `stamp` (if given), so a test can
+    time what happens after the kill."""
+
+    def __init__(self, step: int, rank: int | None = None, stamp: str | None = None):
+        self.step, self.rank, self.stamp = step, rank, stamp
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            if self.stamp:
+                Path(self.stamp).write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowSteps(Callback):
+    """Sleep after every training batch without changing what it computes, so a signal sent during
+    training arrives while it still runs (12 tiny steps can otherwise finish before it is delivered)."""
+
+    def __init__(self, seconds: float = 0.5):
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args) -> None:
+        time.sleep(self.seconds)
+
+
+class KillMidSave(Callback):
+    """SIGKILL this process half-way through writing the checkpoint of optimizer step `step`.
+
+    Lightning writes a file checkpoint to a temporary file and then moves it to the path it was given;
+    where the two lie on different filesystems (/tmp on local disk, checkpoints on a cluster filesystem)
+    the move is a copy. The real move is cut here after half the bytes, as a kill during that copy cuts it.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step != self.step:
+            return
+        from fsspec.implementations.local import LocalFileOpener
+
+        def commit(opener) -> None:
+            opener.f.close()
+            data = Path(opener.temp).read_bytes()
+            with open(opener.path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        LocalFileOpener.commit = commit

@@ -1,0 +1,136 @@
+"""Run the entry points as real processes, as a user would, and read back what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from mlproject.core.constants import PROJECT_ROOT
+
+# Runs in tests stay small: few epochs, no config tree, quiet warnings.
+FAST = ["extras.print_config=false", "trainer.max_epochs=2"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a child run: no ids or ranks inherited from this process or a scheduler."""
+    drop = (
+        "MLPROJECT_RUN_ID",
+        "SLURM_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_",
+        "NODE_RANK",
+        "TORCHELASTIC",
+        "HYDRA_FULL_ERROR",
+        "_MLPROJECT",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    # One thread per process: the multi-process tests run several processes on few cores, where torch's
+    # default thread pools only spin against each other.
+    env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
+    env.update(extra)
+    return env
+
+
+def run(
+    module: str,
+    *overrides: str,
+    log_dir: Path,
+    timeout: int = 240,
+    check: bool = True,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output."""
+    cmd = [sys.executable, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
+    proc = subprocess.run(
+        cmd, cwd=PROJECT_ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
+    root = log_dir / task / "runs"
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
+
+
+def read_metrics(run_dir: Path) -> dict[str, float]:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
+    """Start `world` real processes of `script` as ranks of one gloo job on 127.0.0.1 (the environment
+    torchrun would give them); Lightning sees LOCAL_RANK and launches nothing itself."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            cwd=PROJECT_ROOT,
+            env=clean_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE=str(world),
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                NODE_RANK="0",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
+
+
+def make_command(make_line: str) -> list[str]:
+    """The arguments after `-m mlproject.<module>` of the command `make -n <make_line>` would run."""
+    out = subprocess.run(
+        ["make", "-n", *shlex.split(make_line)], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    (line,) = [ln for ln in out.splitlines() if " -m mlproject." in ln]
+    return shlex.split(line)[3:]
+
+
+def run_in_process(module: str, *overrides: str, log_dir: Path) -> tuple[int, str]:
+    """`python -m mlproject.<module> overrides...` in this process, for runs that end before training:
+    returns (exit code, stderr). No interpreter start-up or imports per run; the environment, sys.argv
+    and Hydra's global state are restored afterwards."""
+    import contextlib
+    import importlib
+    import io
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    main = importlib.import_module(f"mlproject.{module}").main
+    argv, environ, err = sys.argv, dict(os.environ), io.StringIO()
+    sys.argv = [f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
+    os.environ.clear()
+    os.environ.update(clean_env())
+    try:
+        with contextlib.redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+        GlobalHydra.instance().clear()
+    return code, err.getvalue()
