@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run, run_dirs
+from tests.conftest import clean_env, run, run_dirs
 
 CASES = {
     "unknown option": (["model=resnet"], "Available options in 'model': digits"),
@@ -23,7 +23,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_override_gives_one_line(case, tmp_path):
     overrides, expected = CASES[case]
-    proc = run("train", *overrides, "extras.print_config=false", log_dir=tmp_path, check=False)
+    # on the CPU wherever it runs; "no gpu" (trainer=gpu overrides trainer=cpu) hides the host's GPUs
+    env = clean_env(CUDA_VISIBLE_DEVICES="") if case == "no gpu" else None
+    proc = run("train", "trainer=cpu", *overrides, "extras.print_config=false", log_dir=tmp_path, check=False, env=env)
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
