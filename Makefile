@@ -17,7 +17,7 @@ OUT    ?= model.pt
 # `make train trainer.max_epochs=3` works too: command-line variables that are not ours are overrides.
 OVERRIDES = $(filter-out VENV=% TORCH=% TORCH_INDEX=% ARGS=% CKPT=% OUT=% NAME=% EXAMPLES=%,$(MAKEOVERRIDES)) $(ARGS)
 
-.PHONY: help install train eval export test test-fast lint format clean
+.PHONY: help install train eval export test test-fast test-gpu lint format clean
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ test: install ## run the whole test suite
 
 test-fast: install ## run the tests that start no extra processes
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+test-gpu: install ## the GPU acceptance suite (tests/gpu/) on every visible GPU; skips without one
+	$(PY) -m pytest -m gpu $(ARGS)
 
 lint: install ## ruff lint and format check
 	$(VENV)/bin/ruff check .
