@@ -23,7 +23,7 @@ reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstwo
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
 OVERRIDES = $(foreach v,$(CLI_NAMES),$(if $(filter command line,$(origin $(v))),$(call quote,$(v)=$(value $(v))))) $(ARGS)
 
-.PHONY: help install train eval export test test-fast lint format clean
+.PHONY: help install train eval export test test-fast test-gpu lint format clean
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -53,6 +53,9 @@ test: install ## run the whole test suite
 
 test-fast: install ## the quick tests: all but those marked slow (multi-process training, long end-to-end runs)
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+test-gpu: install ## the GPU acceptance suite (tests/gpu/) on every visible GPU; skips without one
+	$(PY) -m pytest -m gpu $(ARGS)
 
 lint: install ## ruff lint and format check
 	$(VENV)/bin/ruff check .

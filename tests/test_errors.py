@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.processes import run_dirs, run_in_process
+from tests.helpers.processes import clean_env, run, run_dirs, run_in_process
 
 CASES = {
     "unknown option": (["model=resnet"], "Available options in 'model': digits"),
@@ -13,7 +13,6 @@ CASES = {
     "batch not divisible": (["strategy=ddp", "trainer.devices=3"], "use a multiple of 3"),
     "missing checkpoint": (["ckpt_path=nope.ckpt"], "ckpt_path=nope.ckpt does not exist"),
     "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
-    "no gpu": (["trainer=gpu"], "use trainer=cpu"),
     "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
     "fsdp without configure_model": (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp"),
     "group set to null": (["logger=null"], "use ~<group>, e.g. ~logger"),
@@ -23,13 +22,22 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_override_gives_one_line(case, tmp_path):
     overrides, expected = CASES[case]
-    code, stderr = run_in_process("train", *overrides, "extras.print_config=false", log_dir=tmp_path)
+    code, stderr = run_in_process("train", "trainer=cpu", *overrides, "extras.print_config=false", log_dir=tmp_path)
     assert code == 2
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert expected in lines[0]
     assert "Traceback" not in stderr
     assert not any(d.joinpath("checkpoints").exists() for d in run_dirs(tmp_path))  # nothing half-written
+
+
+def test_gpu_asked_for_where_none_is_visible(tmp_path):
+    """A process of its own: the host's GPUs are hidden from it, so the case holds on a GPU host too."""
+    env = clean_env(CUDA_VISIBLE_DEVICES="")
+    proc = run("train", "trainer=gpu", "extras.print_config=false", log_dir=tmp_path, check=False, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: trainer.accelerator=gpu but no CUDA GPU is visible; use trainer=cpu."
+    ), proc.stderr
 
 
 def test_eval_without_checkpoint(tmp_path):

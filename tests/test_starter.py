@@ -130,7 +130,13 @@ def test_copier_project_passes_its_tests_and_trains(copier_project, tmp_path):
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py"]
     sh(*pytest_cmd, "-k", "digits or comment or eval", cwd=root, env=env, timeout=300)
     limits = [f"+trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]
-    overrides = ["trainer.max_epochs=1", "extras.print_config=false", f"paths.log_dir={tmp_path}", *limits]
+    overrides = [
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        "extras.print_config=false",
+        f"paths.log_dir={tmp_path}",
+        *limits,
+    ]
     sh(sys.executable, "-m", "cool_net.train", *overrides, cwd=root, env=env, timeout=300)
     metrics = json.loads((tmp_path / "train/runs/first/metrics.json").read_text())  # the renamed env var names the run
     assert metrics["test/samples"] == 2 * 64  # 2 test batches of the global batch, each sample once

@@ -34,13 +34,13 @@ def test_checkpoint_loads_with_weights_only(trained_run):
 def test_eval_reproduces_train_metrics(trained_run, tmp_path):
     """train tests the best checkpoint; eval of that same file gives the same numbers."""
     (best,) = [p for p in (trained_run / "checkpoints").iterdir() if p.name != "last.ckpt"]
-    run("eval", f"ckpt_path={best}", "extras.print_config=false", log_dir=tmp_path)
+    run("eval", f"ckpt_path={best}", "trainer=cpu", "extras.print_config=false", log_dir=tmp_path)
     (eval_dir,) = run_dirs(tmp_path, "eval")
     assert read_metrics(eval_dir) == pytest.approx(read_metrics(trained_run), abs=1e-6)
 
 
 def test_fast_dev_run_without_loggers(tmp_path):
-    proc = run("train", "debug=fdr", "~logger", "extras.print_config=false", log_dir=tmp_path)
+    proc = run("train", "debug=fdr", "trainer=cpu", "~logger", "extras.print_config=false", log_dir=tmp_path)
     (run_dir,) = run_dirs(tmp_path, "debug")
     assert read_metrics(run_dir)["test/samples"] == 64  # exactly one test batch
     # ~logger: no loggers, so the default LR monitor steps aside (Lightning would stop the run for it)
@@ -50,7 +50,7 @@ def test_fast_dev_run_without_loggers(tmp_path):
 @pytest.mark.slow
 def test_ddp_two_processes_one_run_directory(tmp_path):
     start = time.monotonic()
-    proc = run("train", *FAST, "strategy=ddp", "trainer=cpu", "trainer.devices=2", log_dir=tmp_path)
+    proc = run("train", *FAST, "strategy=ddp", "trainer.devices=2", log_dir=tmp_path)
     output = proc.stdout + proc.stderr
     (run_dir,) = run_dirs(tmp_path)  # both ranks wrote into one directory
     assert read_metrics(run_dir)["test/samples"] == 360
@@ -70,7 +70,13 @@ def test_make_help_lists_targets():
 def test_all_loggers_write_into_the_run_directory(tmp_path):
     """logger=many: csv, tensorboard and wandb (offline without credentials, and it says so)."""
     proc = run(
-        "train", "extras.print_config=false", "logger=many", "debug=limit", "trainer.max_epochs=1", log_dir=tmp_path
+        "train",
+        "extras.print_config=false",
+        "trainer=cpu",
+        "logger=many",
+        "debug=limit",
+        "trainer.max_epochs=1",
+        log_dir=tmp_path,
     )
     (run_dir,) = run_dirs(tmp_path, "debug")
     assert "logging offline" in proc.stdout + proc.stderr

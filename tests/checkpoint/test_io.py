@@ -75,7 +75,7 @@ def test_truncated_checkpoint_is_one_clear_line(tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:300])
     with pytest.raises(CheckpointError, match="last.ckpt is not a readable checkpoint"):
         checkpoint_format(ckpt)
-    proc = run("train", f"ckpt_path={ckpt}", "extras.print_config=false", log_dir=tmp_path, check=False)
+    proc = run("train", f"ckpt_path={ckpt}", "trainer=cpu", "extras.print_config=false", log_dir=tmp_path, check=False)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and str(ckpt) in last and "truncated" in last

@@ -88,7 +88,16 @@ def test_fsdp_checkpoints_resume_anywhere(tmp_path):
 
     # eval on one process reads the sharded checkpoint and gets the straight run's test metrics
     best = max(run_dir(tmp_path, "straight").glob("checkpoints/epoch_*.ckpt"))
-    run("eval", "model=gpt", "data=text", *DATA, f"ckpt_path={best}", "extras.print_config=false", log_dir=tmp_path)
+    run(
+        "eval",
+        "model=gpt",
+        "data=text",
+        "trainer=cpu",
+        *DATA,
+        f"ckpt_path={best}",
+        "extras.print_config=false",
+        log_dir=tmp_path,
+    )
     (eval_dir,) = (tmp_path / "eval" / "runs").iterdir()
     tested = json.loads((eval_dir / "metrics.json").read_text())
     assert tested == pytest.approx(json.loads((run_dir(tmp_path, "straight") / "metrics.json").read_text()), rel=1e-5)

@@ -67,7 +67,7 @@ def test_eval_one_vs_two_processes_and_predictions(trained_run, tmp_path):
     """`mlproject.eval` on one checkpoint: 1 process and ddp x 2 write the same metrics.json, and the
     predictions file holds each test sample once, in order, agreeing with test/acc."""
     ckpt = f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}"
-    run("eval", ckpt, "extras.print_config=false", "trainer.devices=1", log_dir=tmp_path / "one")
+    run("eval", ckpt, "extras.print_config=false", "trainer=cpu", "trainer.devices=1", log_dir=tmp_path / "one")
     run(
         "eval",
         ckpt,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mlproject.core.constants import PROJECT_ROOT
 
-# Runs in tests stay small: few epochs, no config tree, quiet warnings.
-FAST = ["extras.print_config=false", "trainer.max_epochs=2"]
+# Runs in tests stay small: few epochs, no config tree, quiet warnings; on the CPU even where a GPU is visible.
+FAST = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=2"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -34,9 +34,18 @@ def generated_run_id() -> str:
     return _GENERATED_RUN_ID[0]
 
 
+def on_gpu(accelerator: str) -> bool:
+    """Whether the trainer will run on a CUDA GPU: asked of the accelerator the config names, not the host."""
+    if accelerator in ("gpu", "cuda"):
+        return True
+    import torch
+
+    return accelerator == "auto" and torch.cuda.is_available()
+
+
 def default_precision(accelerator: str = "auto") -> str:
     """bf16-mixed on a CUDA GPU that supports it, else full fp32 (CPU autocast is slow and lossy)."""
-    if accelerator == "cpu":
+    if not on_gpu(accelerator):
         return "32-true"
     import torch
 
@@ -46,15 +55,18 @@ def default_precision(accelerator: str = "auto") -> str:
 def distributed_debug_level(accelerator: str = "auto") -> str:
     """TORCH_DISTRIBUTED_DEBUG for debug=distributed: DETAIL (collective checks) on GPU; INFO on CPU, where
     DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo."""
-    return "INFO" if default_precision(accelerator) == "32-true" else "DETAIL"
+    return "DETAIL" if on_gpu(accelerator) else "INFO"
 
 
 def register_resolvers() -> None:
-    for name, fn in {
-        "run_id": run_id,
-        "precision": default_precision,
-        "distributed_debug_level": distributed_debug_level,
-        "project_root": lambda: os.environ.get("PROJECT_ROOT", str(PROJECT_ROOT)),
-    }.items():
+    # Cached: run_id must be one value per job. Not cached: precision and the debug level, whose cache key
+    # would be the argument's text (`${trainer.accelerator}`), not its value, so a config that changed
+    # its accelerator (or a copy of one) would keep the first answer.
+    for name, fn, cache in (
+        ("run_id", run_id, True),
+        ("precision", default_precision, False),
+        ("distributed_debug_level", distributed_debug_level, False),
+        ("project_root", lambda: os.environ.get("PROJECT_ROOT", str(PROJECT_ROOT)), True),
+    ):
         if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn, use_cache=True)
+            OmegaConf.register_new_resolver(name, fn, use_cache=cache)

@@ -61,9 +61,15 @@ def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
             "pure half precision cannot be had; use trainer.precision=bf16-mixed"
         )
     if cpu and precision != "32-true":
-        raise ConfigError("DeepSpeed on CPU runs in fp32 only (a debugging mode); use trainer.precision=32-true")
+        raise ConfigError(
+            f"trainer.precision={precision} with DeepSpeed on CPU: its bf16 mode casts the model and its inputs to "
+            "bf16 without autocast, which CPU kernels that mix dtypes (BatchNorm) refuse; use trainer.precision=32-true"
+        )
     if cpu and cfg.strategy.get("offload"):
-        raise ConfigError("DeepSpeed offload moves state from GPU to CPU memory; on CPU use strategy=deepspeed_stage_3")
+        raise ConfigError(
+            "DeepSpeed offload moves optimizer state and parameters from GPU to CPU memory, which on CPU is where they "
+            "already are; use strategy=deepspeed_stage_3"
+        )
 
 
 _children: list[subprocess.Popen] = []  # local ranks 1..N-1 that this process (local rank 0) started

@@ -34,13 +34,19 @@ def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kw
     from mlproject.distributed.zero import ZeroStrategy, use_extensions_cache
 
     use_extensions_cache()
-    return ZeroStrategy(
+    strategy = ZeroStrategy(
         stage=stage,
         offload_optimizer=offload,
         offload_parameters=offload and stage == 3,
         timeout=timedelta(seconds=timeout),
         **kwargs,
     )
+    if offload:
+        # With offload DeepSpeed refuses a torch optimizer unless told so. Its own CPU Adam would step faster,
+        # but it is a C++ op compiled at first use, and the model's AdamW keeps the optimizer state the same
+        # as under every other strategy (checkpoints resume anywhere).
+        strategy.config["zero_force_ds_cpu_optimizer"] = False
+    return strategy
 
 
 def model_parallel(timeout: float = 1800, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):

@@ -51,23 +51,27 @@ class CPUSyncBatchNorm(_BatchNorm):
             return super().forward(x)
         self._check_input_dim(x)
         dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
-        # Two passes (mean, then squared deviations) keep the variance as exact as one process's.
-        count = x.new_full((1,), x.numel() // x.size(1))
-        stats = AllReduceSum.apply(torch.cat([x.sum(dims), count]), None)
+        # Statistics in fp32 whatever the input's dtype (as torch's BatchNorm under bf16): in bf16 the count
+        # rounds (1001 -> 1000) and sums of a large batch lose their low bits. Two passes (mean, then squared
+        # deviations) keep the variance as exact as one process's.
+        xf = x.float()
+        count = xf.new_full((1,), x.numel() // x.size(1))  # exact in fp32 up to 2**24 values per channel
+        stats = AllReduceSum.apply(torch.cat([xf.sum(dims), count]), None)
         n = stats[-1]
         mean = stats[:-1] / n
-        centered = x - mean.view(shape)
+        centered = xf - mean.view(shape)
         var = AllReduceSum.apply(centered.square().sum(dims), None) / n
         y = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
+            y = y * self.weight.float().view(shape) + self.bias.float().view(shape)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-                self.running_mean.lerp_(mean.detach(), momentum)
-                self.running_var.lerp_(var.detach() * n / (n - 1), momentum)  # unbiased, as torch stores it
-        return y
+                stored = self.running_mean.dtype  # fp32, or bf16 under trainer.precision=bf16-true
+                self.running_mean.lerp_(mean.detach().to(stored), momentum)
+                self.running_var.lerp_((var.detach() * n / (n - 1)).to(stored), momentum)  # unbiased, as torch
+        return y.to(x.dtype)
 
 
 def convert_sync_batchnorm(model: nn.Module, cpu: bool) -> tuple[nn.Module, int]:
