@@ -63,9 +63,10 @@ def test_metrics_equal_single_process_reference(world, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_one_vs_two_processes_and_predictions(trained_run, tmp_path):
-    """`mlproject.eval` on one checkpoint: 1 process and ddp x 2 write the same metrics.json, and the
-    predictions file holds each test sample once, in order, agreeing with test/acc."""
+def test_eval_one_vs_three_processes_and_predictions(trained_run, tmp_path):
+    """`mlproject.eval` on one checkpoint: 1 process and ddp x 3 write the same metrics.json, and the
+    predictions file holds each test sample once, in order, agreeing with test/acc. The global batch (64)
+    does not divide by 3: evaluation rounds the per-device batch up (22) and masks the padded slots."""
     ckpt = f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}"
     run("eval", ckpt, "extras.print_config=false", "trainer=cpu", "trainer.devices=1", log_dir=tmp_path / "one")
     run(
@@ -74,11 +75,11 @@ def test_eval_one_vs_two_processes_and_predictions(trained_run, tmp_path):
         "extras.print_config=false",
         "strategy=ddp",
         "trainer=cpu",
-        "trainer.devices=2",
+        "trainer.devices=3",
         "predict=true",
-        log_dir=tmp_path / "two",
+        log_dir=tmp_path / "three",
     )
-    (one,), (two,) = run_dirs(tmp_path / "one", "eval"), run_dirs(tmp_path / "two", "eval")
+    (one,), (two,) = run_dirs(tmp_path / "one", "eval"), run_dirs(tmp_path / "three", "eval")
     m1, m2 = read_metrics(one), read_metrics(two)
     # acc, f1, auroc and samples are bitwise equal; the loss sums floats in another order (float64
     # accumulation keeps the difference ~1e-9)

@@ -14,9 +14,12 @@ from mlproject.core.errors import ConfigError
 MODEL_PARALLEL = ("fsdp", "tp", "fsdp_tp")
 
 
-def per_device_batch_size(batch_size: int, replicas: int, accumulate: int = 1) -> int:
+def per_device_batch_size(batch_size: int, replicas: int, accumulate: int = 1, exact: bool = True) -> int:
     """The global batch size split over data-parallel ranks (the world, without tensor-parallel groups) and
-    accumulation steps; it must divide exactly."""
+    accumulation steps. Training needs an exact split (else the recipe changes with the world size);
+    evaluation rounds up, since padded slots are masked and every sample still counts once."""
+    if not exact:
+        return -(-batch_size // (replicas * accumulate))
     if batch_size % (replicas * accumulate):
         raise ConfigError(
             f"data.batch_size={batch_size} is the global batch size and must divide by world size {replicas} "
@@ -45,6 +48,7 @@ class Topology:
     tensor_parallel_size: int = 1
     accumulate: int = 1  # micro-batches per optimizer step
     global_batch_size: int | None = None  # data.batch_size, if the data has one
+    training: bool = True  # False for evaluation only (eval, or train=false): the batch may split unevenly
 
     @classmethod
     def of(cls, cfg) -> Topology:
@@ -61,6 +65,7 @@ class Topology:
             tensor_parallel_size=tp,
             accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
             global_batch_size=data.get("batch_size"),
+            training=bool(cfg.get("train", False)),
         )
 
     @property
@@ -78,7 +83,7 @@ class Topology:
 
     @property
     def per_device_batch_size(self) -> int:
-        return per_device_batch_size(self.global_batch_size, self.data_parallel_size, self.accumulate)
+        return per_device_batch_size(self.global_batch_size, self.data_parallel_size, self.accumulate, self.training)
 
     def validate(self) -> Topology:
         """Refuse a shape that cannot run, in one line naming the fix; returns itself."""

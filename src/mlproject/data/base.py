@@ -12,6 +12,7 @@ import os
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -106,13 +107,12 @@ class DataModule(L.LightningDataModule):
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer else None
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
-    def per_device_batch_size_for(self, world: int, accumulate: int = 1) -> int:
-        return per_device_batch_size(self.batch_size, world, accumulate)
-
     @property
     def per_device_batch_size(self) -> int:
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
-        return self.per_device_batch_size_for(self._world()[0], accumulate)
+        """Exact while fitting; rounded up for evaluation alone, whose padded slots are masked."""
+        trainer, accumulate = self.trainer, self.trainer.accumulate_grad_batches if self.trainer else 1
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        return per_device_batch_size(self.batch_size, self._world()[0], accumulate, exact=fitting)
 
     def _loader(self, dataset: Dataset, sampler, drop_last: bool, loader=DataLoader, **kwargs) -> DataLoader:
         return loader(
