@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -75,3 +76,20 @@ def hydra_entry(config_name: str):
         return main
 
     return decorator
+
+
+def run_as_process(main) -> None:
+    """Run an entry point's `main` as this process's last act. After a success in a distributed job, end
+    the process group, run the exit hooks (loggers flush there) and leave without interpreter teardown:
+    torch 2.13 sometimes aborts in it after gloo work ("terminate called without an active exception"),
+    which would turn a finished job into a failed one. Failures exit as usual."""
+    main()
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

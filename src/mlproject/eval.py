@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from mlproject.cli import hydra_entry
+from mlproject.cli import hydra_entry, run_as_process
 from mlproject.distributed.launch import launch_local_ranks
 from mlproject.preflight import preflight
 
@@ -47,4 +47,4 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_process(main)

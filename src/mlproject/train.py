@@ -6,7 +6,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from mlproject.cli import hydra_entry
+from mlproject.cli import hydra_entry, run_as_process
 from mlproject.distributed.launch import launch_local_ranks
 from mlproject.preflight import check_monitors, preflight
 
@@ -74,4 +74,4 @@ if __name__ == "__main__":
     from mlproject.checkpoint.resume import continue_run_of_checkpoint
 
     continue_run_of_checkpoint(sys.argv[1:])  # ckpt_path=<another run's checkpoint>: continue in its directory
-    main()
+    run_as_process(main)
