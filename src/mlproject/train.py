@@ -25,6 +25,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
     from mlproject.checkpoint.storage import PortableCheckpointIO
+    from mlproject.utils.loggers import finish_loggers
     from mlproject.utils.rank_logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
 
@@ -61,6 +62,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     write_metrics(metrics, cfg.paths.output_dir)
     final = {k: float(v) for k, v in sorted(metrics.items())}
     print_summary({k: v for k, v in final.items() if k.startswith(("val/", "test/"))}, cfg.paths.output_dir)
+    finish_loggers(trainer.loggers)
     return final
 
 

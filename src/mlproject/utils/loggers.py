@@ -24,12 +24,26 @@ def _wandb_credentials() -> bool:
         return False
 
 
-def wandb_logger(offline: bool | None = None, **kwargs):
+def sweep_trial() -> int | None:
+    """The trial number inside a Hydra sweep (multirun), else None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode.name != "MULTIRUN":
+        return None
+    return HydraConfig.get().job.num
+
+
+def wandb_logger(offline: bool | None = None, id: str | None = None, name: str | None = None, **kwargs):
     """A WandbLogger that goes offline (and says so) when there are no credentials.
 
-    The run id comes from the config (task name + run id), so a resumed run continues the same W&B run.
+    The run id comes from the config (task name + run id), so a resumed run continues the same W&B run;
+    in a sweep each trial gets its own (`-<trial>` appended), as it gets its own run directory.
     """
     from lightning.pytorch.loggers import WandbLogger
+
+    trial = sweep_trial()
+    if trial is not None:
+        id, name = f"{id}-{trial}", f"{name}-{trial}"
 
     if offline is None:
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not _wandb_credentials()
@@ -38,7 +52,17 @@ def wandb_logger(offline: bool | None = None, **kwargs):
                 "wandb: no credentials found (WANDB_API_KEY or ~/.netrc), logging offline; "
                 "upload later with `wandb sync <run dir>/wandb/offline-run-*`"
             )
-    return WandbLogger(offline=offline, resume="allow", **kwargs)
+    return WandbLogger(offline=offline, resume="allow", id=id, name=name, **kwargs)
+
+
+def finish_loggers(loggers) -> None:
+    """End the loggers' runs now, not at interpreter exit: the next trial of a sweep runs in this process
+    and would otherwise log into this trial's W&B run."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger._experiment.finish()
 
 
 class CSVLogger(_CSVLogger):
