@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlproject.distributed.launch import EXTERNAL_RANK_VARS, launched_externally
-from tests.helpers.processes import run, run_dirs
+from tests.helpers.processes import run, run_dirs, run_in_process
 
 
 @pytest.mark.parametrize(
@@ -19,16 +19,24 @@ from tests.helpers.processes import run, run_dirs
     [
         (["hydra.mode=MULTIRUN", "strategy=ddp", "trainer.devices=2", "seed=1,2"], "cannot use strategy=ddp"),
         (["strategy=ddp", "trainer.num_nodes=2"], "pass the same run_id=<name> on every node"),
+        (["strategy=ddp", "trainer.num_nodes=2", "run_id=x"], "but MASTER_ADDR and NODE_RANK not set"),
         (["strategy=deepspeed_stage_2", "trainer.precision=bf16-true"], "DeepSpeed keeps fp32 master weights"),
         (["strategy=deepspeed_stage_2", "trainer.precision=bf16-mixed"], "bf16 without autocast"),
         (["strategy=deepspeed_stage_3_offload"], "already are; use strategy=deepspeed_stage_3"),
     ],
-    ids=["multirun-ddp", "nodes-without-run-id", "deepspeed-bf16-true", "deepspeed-bf16-on-cpu", "offload-on-cpu"],
+    ids=[
+        "multirun-ddp",
+        "nodes-without-run-id",
+        "nodes-without-rendezvous",
+        "deepspeed-bf16-true",
+        "deepspeed-bf16-on-cpu",
+        "offload-on-cpu",
+    ],
 )
 def test_impossible_launches_fail_up_front_with_one_line(tmp_path, overrides, message):
-    proc = run("train", "trainer=cpu", *overrides, log_dir=tmp_path, check=False, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
+    code, stderr = run_in_process("train", "trainer=cpu", *overrides, log_dir=tmp_path)
+    assert code == 2, stderr[-2000:]
+    assert message in stderr
     assert not list(tmp_path.rglob("*.ckpt"))
 
 

@@ -44,6 +44,13 @@ def check_launch(cfg: DictConfig, topology: Topology, multirun: bool) -> None:
             f"trainer.num_nodes={nodes}: every node must write into one run directory, but this node made up "
             "its own run id; pass the same run_id=<name> on every node (SLURM and torchrun --rdzv-id do it for you)"
         )
+    missing = [v for v in ("MASTER_ADDR", "NODE_RANK") if v not in os.environ]
+    if nodes > 1 and missing and not launched_externally():  # else every collective waits for its timeout
+        raise ConfigError(
+            f"trainer.num_nodes={nodes} but {' and '.join(missing)} not set: nodes find each other through "
+            "MASTER_ADDR/MASTER_PORT and know their place by NODE_RANK; set them on every node, or start "
+            "with torchrun or SLURM (docs/strategies.md)"
+        )
 
 
 def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
