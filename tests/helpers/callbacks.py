@@ -47,13 +47,14 @@ class RecordSteps(Callback):
 class KillAt(Callback):
     """SIGKILL this process (a real, uncatchable kill, no cleanup) when optimizer step `step` is about to
     run, on `rank` only or on every rank, after writing the wall time to `stamp` (if given), so a test can
-    time what happens after the kill."""
+    time what happens after the kill. Under torchrun, only in its first attempt (not after a restart)."""
 
     def __init__(self, step: int, rank: int | None = None, stamp: str | None = None):
         self.step, self.rank, self.stamp = step, rank, stamp
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank) and first_attempt:
             if self.stamp:
                 Path(self.stamp).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)

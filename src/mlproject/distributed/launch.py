@@ -44,6 +44,12 @@ def check_launch(cfg: DictConfig, topology: Topology, multirun: bool) -> None:
             f"trainer.num_nodes={nodes}: every node must write into one run directory, but this node made up "
             "its own run id; pass the same run_id=<name> on every node (SLURM and torchrun --rdzv-id do it for you)"
         )
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) and os.environ.get("TORCHELASTIC_RUN_ID") == "none":
+        raise ConfigError(  # the restarted group would dial the dead round's addresses, even for a plain script
+            "torchrun --max-restarts with its static rendezvous (--master-port alone) cannot restart the "
+            "process group; use torchrun --standalone (one machine) or --rdzv-backend c10d "
+            "--rdzv-endpoint <host:port> (several)"
+        )
     missing = [v for v in ("MASTER_ADDR", "NODE_RANK") if v not in os.environ]
     if nodes > 1 and missing and not launched_externally():  # else every collective waits for its timeout
         raise ConfigError(
