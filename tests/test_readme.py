@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.helpers.processes import make_command, run
+from tests.helpers.processes import clean_env, make_command, run
 
 README = PROJECT_ROOT / "README.md"
 NOT_RUN = {"test", "test-fast", "lint", "format", "install"}  # the suite itself, and the tools around it
@@ -43,8 +45,9 @@ def test_readme_command_runs(command, trained_run, tmp_path):
         proc = run(module, *args, log_dir=tmp_path)
         assert "#SBATCH --nodes=" in proc.stdout
         return
-    if module == "export":
-        run(module, *args, log_dir=tmp_path)
+    if module == "export":  # writes one file, no run directory
+        cmd = [sys.executable, "-m", "mlproject.export", *args]
+        subprocess.run(cmd, cwd=PROJECT_ROOT, env=clean_env(), check=True, capture_output=True, timeout=120)
         assert (tmp_path / "m.pt").stat().st_size > 0
         return
     run(module, *args, "++trainer.fast_dev_run=true", "extras.print_config=false", log_dir=tmp_path)
