@@ -9,6 +9,7 @@ attention and MLP needs one all-reduce forward and one backward).
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -122,17 +123,31 @@ def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwis
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes.
+    """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes,
+    with one all-reduce for the whole model.
 
-    torch's clip_grad_norm_ stacks the per-tensor norms, which fails for such a mix (tensor parallelism
-    leaves embeddings and norms whole); each DTensor norm is reduced to a plain number first.
+    torch's clip_grad_norm_ stacks per-tensor norms, which fails for such a mix (tensor parallelism leaves
+    embeddings and norms whole), and reducing each DTensor's norm on its own costs one collective per
+    parameter. Instead every rank sums the squares of the gradient elements it holds; an element held by
+    k ranks (replicated over k of the world's ranks) counts 1/k on each, so one sum over all ranks is the
+    global sum of squares. Gradients here are sharded or replicated, never partial (FSDP, TP).
     """
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    norms = [torch.linalg.vector_norm(p.grad) for p in params]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    copies: dict[int, list[torch.Tensor]] = {}  # ranks holding each element -> local gradients
+    for p in params:
+        g, distinct = p.grad, 1
+        if isinstance(g, DTensor):
+            # not pl.is_shard(): FSDP over TP shards by _StridedShard, which is no Shard in torch 2.13
+            distinct = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
+            g = g.to_local()
+        copies.setdefault(dist.get_world_size() // distinct, []).append(g)
+    squares = [torch.nn.utils.get_total_norm(grads).square() / k for k, grads in copies.items()]
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total)
+    total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach needs one tensor type
     return total
 
