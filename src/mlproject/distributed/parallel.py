@@ -74,6 +74,14 @@ def apply_ac(model: nn.Module, blocks: list[str]) -> None:
         checkpoint(block)
 
 
+def apply_compile(model: nn.Module, blocks: list[str] = ()) -> None:
+    """torch.compile each block (with `blocks`: FSDP's gathers and reduce-scatters then run between the
+    compiled blocks, torchtitan's way), else the whole network. Module.compile compiles in place: parameter
+    names and checkpoint keys stay as they are (no `_orig_mod.` prefix), so checkpoints load either way."""
+    for module in blocks_of(model, blocks) if blocks else [model]:
+        module.compile()
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -98,22 +106,29 @@ def apply_fsdp(
     fully_shard(model, **kwargs)
 
 
-def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=()) -> None:
-    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then FSDP.
+def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=(), compile: bool = False) -> None:
+    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then
+    compile (per block), then FSDP. Under other strategies only the compile (of the whole network).
 
-    A no-op under other strategies and on the second call (Lightning calls configure_model per fit/test).
+    Lightning calls configure_model per fit/test: the second call does nothing.
     """
-    from torch.distributed.tensor import DTensor
     from torchmetrics import Metric
 
     strategy = pl_module.trainer.strategy
-    if not isinstance(strategy, ModelParallel) or any(isinstance(p, DTensor) for p in net.parameters()):
+    if getattr(net, "_parallelized", False):
+        return
+    net._parallelized = True  # a plain attribute: not in the state dict
+    if not isinstance(strategy, ModelParallel):
+        if compile:
+            apply_compile(net)
         return
     mesh, fsdp = pl_module.device_mesh, dict(strategy.fsdp or {})
     if mesh["tensor_parallel"].size() > 1:
         apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
     if fsdp.pop("activation_checkpointing", False):
         apply_ac(net, blocks)
+    if compile:
+        apply_compile(net, blocks)
     if strategy.fsdp is not None:
         apply_fsdp(net, mesh["data_parallel"], blocks, **fsdp)
     # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
