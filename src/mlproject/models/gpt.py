@@ -30,6 +30,11 @@ class GPTModule(L.LightningModule):
         """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
         return {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
 
+    @property
+    def flops_per_token(self) -> int:
+        """For perf/mfu (callbacks/throughput.py)."""
+        return self.net.flops_per_token()
+
     def configure_model(self):
         parallelize(self, self.net, **self.hparams.parallel, compile=self.hparams.compile)
 
