@@ -46,8 +46,11 @@ class Classifier(L.LightningModule):
         loss = F.cross_entropy(logits, y)
         self.train_acc.update(logits, y)  # computed (and synced) once per epoch, not per step
         self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
+
+    def on_train_epoch_end(self):
+        # once per epoch, not per step: every self.log call moves Lightning's copy of the value to the device
+        self.log("train/acc", self.train_acc)
 
     def _evaluate(self, batch, stage: str, metrics: ClassificationMetrics) -> None:
         x, y, _ = batch
