@@ -31,9 +31,9 @@ EXAMPLES = {"digits": [], "gpt": ["experiment=gpt"]}  # overrides selecting each
 
 
 def step_timer(out: str):
-    """A Lightning callback that records the end of every training step on rank 0, the parameter count and
-    peak GPU memory. Built in a function so that the plain loop, which imports this file, never imports
-    Lightning. scripts/gpu_check.py uses it too."""
+    """A Lightning callback that records the end of every training step on rank 0, the parameter count, the
+    model's FLOPs per token (if it has them), the batch shape and peak GPU memory. Built in a function so
+    that the plain loop, which imports this file, never imports Lightning. scripts/gpu_check.py uses it too."""
     import torch
     from lightning.pytorch.callbacks import Callback
 
@@ -52,7 +52,11 @@ def step_timer(out: str):
                 params = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters())
                 memory = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
                 record = {"times": self.times, "cpu": self.cpu, "epochs": self.epochs}
-                record.update(params=params, peak_memory=memory)
+                record.update(
+                    params=params, peak_memory=memory, flops_per_token=getattr(pl_module, "flops_per_token", 0)
+                )
+                data = trainer.datamodule
+                record.update(batch_size=data.batch_size, block_size=data.hparams.get("block_size", 1))
                 Path(out).write_text(json.dumps(record))
 
     return StepTimer()

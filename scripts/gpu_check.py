@@ -2,13 +2,19 @@
 
     python scripts/gpu_check.py                    # all strategies, every visible GPU, the GPT example
     python scripts/gpu_check.py --strategies ddp fsdp --steps 30
+    python scripts/gpu_check.py --experiment gpt_124m --steps 30   # one GPU: eager, compiled, no host syncs
 
-Each strategy trains `experiment=gpt_large` (the ~114M-parameter GPT) for --steps optimizer steps in a
-fresh process, with no validation, test, checkpoints or loggers. Step time is the median over the steps
-after the first few; tokens/s = global batch x block size / step time; MFU = model FLOPs per token
-(6 x parameters + attention, as in the PaLM paper) x tokens/s / (bf16 dense peak of the GPU x GPUs),
-shown only for GPUs whose peak is listed below. Peak memory is rank 0's torch.cuda.max_memory_allocated.
-Budget: about 30 s per strategy on one GPU, under 8 minutes in all.
+Each row trains an experiment (default `gpt_large`, the ~114M-parameter GPT, batch 16 x 256 tokens) for
+--steps optimizer steps in a fresh process, with no validation, test, checkpoints or loggers. Step time is
+the median over the steps after the first few; tokens/s = global batch x block size / step time; MFU =
+the model's FLOPs per token (6 x weights + attention, nanoGPT's estimate) x tokens/s / (bf16 dense peak of
+the GPU x GPUs), shown only for GPUs whose peak is known (mlproject.callbacks.throughput). Peak memory is
+rank 0's torch.cuda.max_memory_allocated.
+
+`--experiment gpt_124m` runs on one GPU with its own batch (32 x 1024): model.compile=false, then true,
+then compiled again with torch.cuda.set_sync_debug_mode("error") over the steady-state steps, which fails
+the row on any host-device sync (between the steps where metrics are logged and signals checked).
+Budget: about 30 s per row on one GPU, under 8 minutes in all.
 """
 
 from __future__ import annotations
@@ -36,28 +42,36 @@ STRATEGIES = [
     "tp",
     "fsdp_tp",
 ]
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12}  # dense, per GPU
-WARMUP_STEPS = 5  # first steps (allocator, kernels, DeepSpeed buckets) are not steady state
+WARMUP_STEPS = 5  # first steps (allocator, kernels, compilation, DeepSpeed buckets) are not steady state
 
 
-def peak_flops(name: str) -> float | None:
-    return next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+def sync_check(first: int, last: int):
+    """A callback that makes any host-device sync an error during optimizer steps first..last-1 (built in a
+    function so that importing this script does not import Lightning)."""
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    class SyncCheck(Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            torch.cuda.set_sync_debug_mode("error" if first <= trainer.global_step < last else "default")
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return SyncCheck()
 
 
-def run_one(strategy: str, devices: int, steps: int, batch: int, block: int, tmp: str) -> dict:
-    out = f"{tmp}/{strategy}.json"
-    cmd = [sys.executable, "-m", "mlproject.train", "experiment=gpt_large", f"strategy={strategy}"]
-    cmd += [f"trainer.devices={1 if strategy == 'single' else devices}", "trainer.precision=bf16-mixed"]
+def run_one(name: str, experiment: str, overrides: list[str], steps: int, tmp: str) -> dict:
+    out = f"{tmp}/{name}.json"
+    cmd = [sys.executable, "-m", "mlproject.train", f"experiment={experiment}", "trainer.precision=bf16-mixed"]
     cmd += [f"+trainer.max_steps={steps}", "+trainer.limit_val_batches=0", "test=false", "callbacks=none", "~logger"]
-    cmd += [f"data.batch_size={batch}", f"data.block_size={block}", "extras.print_config=false"]
+    cmd += ["extras.print_config=false", *overrides]
     cmd += [f"paths.log_dir={tmp}/logs", "+callbacks.timer._target_=bench.step_timer", f"+callbacks.timer.out={out}"]
-    if strategy == "tp" or strategy == "fsdp_tp":
-        cmd += [f"strategy.tensor_parallel_size={devices if strategy == 'tp' else max(1, devices // 2)}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts")]))
     env.pop("MLPROJECT_RUN_ID", None)
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    row = {"strategy": strategy, "ok": proc.returncode == 0 and Path(out).exists(), "wall_s": time.time() - start}
+    row = {"strategy": name, "ok": proc.returncode == 0 and Path(out).exists(), "wall_s": time.time() - start}
     if not row["ok"]:
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         row["error"] = lines[-1][:160] if lines else f"exit code {proc.returncode}"
@@ -65,19 +79,46 @@ def run_one(strategy: str, devices: int, steps: int, batch: int, block: int, tmp
     rec = json.loads(Path(out).read_text())
     times = rec["times"]
     step_s = statistics.median(b - a for a, b in zip(times[WARMUP_STEPS:], times[WARMUP_STEPS + 1 :], strict=False))
-    row.update(step_s=step_s, tokens_per_s=batch * block / step_s, params=rec["params"], memory=rec["peak_memory"])
+    tokens = rec["batch_size"] * rec["block_size"] / step_s
+    row.update(step_s=step_s, tokens_per_s=tokens, flops_per_token=rec["flops_per_token"], memory=rec["peak_memory"])
     return row
+
+
+def rows_to_run(args, devices: int) -> list[tuple[str, list[str]]]:
+    """(row name, overrides) for the experiment chosen."""
+    shape = [f"data.batch_size={b}" for b in [args.batch] if b] + [f"data.block_size={b}" for b in [args.block] if b]
+    if args.experiment == "gpt_124m":
+        steady = ["+callbacks.sync._target_=gpu_check.sync_check", f"+callbacks.sync.first={WARMUP_STEPS}"]
+        steady += [f"+callbacks.sync.last={args.steps - 1}", "+trainer.enable_progress_bar=false"]
+        return [
+            ("gpt_124m eager", [*shape, "model.compile=false"]),
+            ("gpt_124m compiled", shape),
+            ("gpt_124m no syncs", [*shape, *steady, f"trainer.log_every_n_steps={args.steps}"]),
+        ]
+    rows = []
+    for strategy in args.strategies:
+        overrides = [f"strategy={strategy}", f"trainer.devices={1 if strategy == 'single' else devices}", *shape]
+        if strategy == "tp" or strategy == "fsdp_tp":
+            overrides += [f"strategy.tensor_parallel_size={devices if strategy == 'tp' else max(1, devices // 2)}"]
+        rows.append((strategy, overrides))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", default=STRATEGIES, help="configs/strategy/ names to run")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per strategy")
-    parser.add_argument("--batch", type=int, default=16, help="global batch size (sequences)")
-    parser.add_argument("--block", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--experiment", default="gpt_large", choices=["gpt_large", "gpt_124m"], help="what trains")
+    parser.add_argument("--batch", type=int, default=None, help="global batch size (default: 16; gpt_124m: its own)")
+    parser.add_argument("--block", type=int, default=None, help="tokens per sequence (default: 256; gpt_124m: its own)")
     args = parser.parse_args()
+    if args.experiment == "gpt_large":
+        args.batch, args.block = args.batch or 16, args.block or 256
 
     import torch
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from mlproject.callbacks.throughput import peak_flops
 
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA GPU visible; this script checks the GPU paths only")
@@ -86,22 +127,19 @@ def main() -> None:
     print(f"{devices} x {name}; bf16 peak {peak / 1e12:.0f} TFLOP/s per GPU" if peak else f"{devices} x {name}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in args.strategies:
-            rows.append(run_one(strategy, devices, args.steps, args.batch, args.block, tmp))
+        for name, overrides in rows_to_run(args, devices):
+            rows.append(run_one(name, args.experiment, overrides, args.steps, tmp))
             r = rows[-1]
-            print(f"  {strategy}: {'ok' if r['ok'] else 'FAILED: ' + r['error']} ({r['wall_s']:.0f}s)", flush=True)
+            print(f"  {name}: {'ok' if r['ok'] else 'FAILED: ' + r['error']} ({r['wall_s']:.0f}s)", flush=True)
 
-    # 6N per token for the weights, 12 * layers * block * width for attention (PaLM, appendix B).
-    n_layer, n_embd = 16, 768  # experiment=gpt_large
-    head = f"{'strategy':<26} {'ok':<4} {'step ms':>8} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6}"
+    head = f"{'run':<26} {'ok':<4} {'step ms':>8} {'tokens/s':>10} {'peak GiB':>9} {'MFU':>6}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         if not r["ok"]:
             print(f"{r['strategy']:<26} {'no':<4} {r['error']}")
             continue
-        gpus = 1 if r["strategy"] == "single" else devices
-        flops_per_token = 6 * r["params"] + 12 * n_layer * args.block * n_embd
-        mfu = f"{flops_per_token * r['tokens_per_s'] / (peak * gpus):.1%}" if peak else "n/a"
+        gpus = devices if r["strategy"] in args.strategies and r["strategy"] != "single" else 1
+        mfu = f"{r['flops_per_token'] * r['tokens_per_s'] / (peak * gpus):.1%}" if peak else "n/a"
         print(
             f"{r['strategy']:<26} {'yes':<4} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>10.0f} "
             f"{r['memory'] / 2**30:>9.2f} {mfu:>6}"

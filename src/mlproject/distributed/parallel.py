@@ -9,6 +9,7 @@ attention and MLP needs one all-reduce forward and one backward).
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -73,6 +74,14 @@ def apply_ac(model: nn.Module, blocks: list[str]) -> None:
         checkpoint(block)
 
 
+def apply_compile(model: nn.Module, blocks: list[str] = ()) -> None:
+    """torch.compile each block (with `blocks`: FSDP's gathers and reduce-scatters then run between the
+    compiled blocks, torchtitan's way), else the whole network. Module.compile compiles in place: parameter
+    names and checkpoint keys stay as they are (no `_orig_mod.` prefix), so checkpoints load either way."""
+    for module in blocks_of(model, blocks) if blocks else [model]:
+        module.compile()
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -97,22 +106,29 @@ def apply_fsdp(
     fully_shard(model, **kwargs)
 
 
-def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=()) -> None:
-    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then FSDP.
+def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=(), compile: bool = False) -> None:
+    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then
+    compile (per block), then FSDP. Under other strategies only the compile (of the whole network).
 
-    A no-op under other strategies and on the second call (Lightning calls configure_model per fit/test).
+    Lightning calls configure_model per fit/test: the second call does nothing.
     """
-    from torch.distributed.tensor import DTensor
     from torchmetrics import Metric
 
     strategy = pl_module.trainer.strategy
-    if not isinstance(strategy, ModelParallel) or any(isinstance(p, DTensor) for p in net.parameters()):
+    if getattr(net, "_parallelized", False):
+        return
+    net._parallelized = True  # a plain attribute: not in the state dict
+    if not isinstance(strategy, ModelParallel):
+        if compile:
+            apply_compile(net)
         return
     mesh, fsdp = pl_module.device_mesh, dict(strategy.fsdp or {})
     if mesh["tensor_parallel"].size() > 1:
         apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
     if fsdp.pop("activation_checkpointing", False):
         apply_ac(net, blocks)
+    if compile:
+        apply_compile(net, blocks)
     if strategy.fsdp is not None:
         apply_fsdp(net, mesh["data_parallel"], blocks, **fsdp)
     # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
@@ -122,17 +138,31 @@ def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwis
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes.
+    """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes,
+    with one all-reduce for the whole model.
 
-    torch's clip_grad_norm_ stacks the per-tensor norms, which fails for such a mix (tensor parallelism
-    leaves embeddings and norms whole); each DTensor norm is reduced to a plain number first.
+    torch's clip_grad_norm_ stacks per-tensor norms, which fails for such a mix (tensor parallelism leaves
+    embeddings and norms whole), and reducing each DTensor's norm on its own costs one collective per
+    parameter. Instead every rank sums the squares of the gradient elements it holds; an element held by
+    k ranks (replicated over k of the world's ranks) counts 1/k on each, so one sum over all ranks is the
+    global sum of squares. Gradients here are sharded or replicated, never partial (FSDP, TP).
     """
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    norms = [torch.linalg.vector_norm(p.grad) for p in params]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    copies: dict[int, list[torch.Tensor]] = {}  # ranks holding each element -> local gradients
+    for p in params:
+        g, distinct = p.grad, 1
+        if isinstance(g, DTensor):
+            # not pl.is_shard(): FSDP over TP shards by _StridedShard, which is no Shard in torch 2.13
+            distinct = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
+            g = g.to_local()
+        copies.setdefault(dist.get_world_size() // distinct, []).append(g)
+    squares = [torch.nn.utils.get_total_norm(grads).square() / k for k, grads in copies.items()]
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total)
+    total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach needs one tensor type
     return total
 

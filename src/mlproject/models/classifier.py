@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torchmetrics.classification import MulticlassAccuracy
 
+from mlproject.distributed.parallel import apply_compile
 from mlproject.models.metrics import ClassificationMetrics
 from mlproject.models.optim import adamw, warmup_cosine
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, net: dict, num_classes: int, optimizer: dict, scheduler: dict):
+    def __init__(self, net: dict, num_classes: int, optimizer: dict, scheduler: dict, compile: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
@@ -24,11 +25,17 @@ class Classifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, validate_args=False)
         self.val_metrics = ClassificationMetrics(num_classes)
         self.test_metrics = ClassificationMetrics(num_classes)
+        self._compiled = False  # configure_model runs per fit/test; compile once
 
     @property
     def synced_metrics(self) -> set[str]:
         """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
         return {"train/acc"} | {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
+
+    def configure_model(self):
+        if self.hparams.compile and not self._compiled:
+            apply_compile(self.net)  # the network, never this module; checkpoint keys stay
+            self._compiled = True
 
     def forward(self, x):
         return self.net(x)
@@ -39,8 +46,11 @@ class Classifier(L.LightningModule):
         loss = F.cross_entropy(logits, y)
         self.train_acc.update(logits, y)  # computed (and synced) once per epoch, not per step
         self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
+
+    def on_train_epoch_end(self):
+        # once per epoch, not per step: every self.log call moves Lightning's copy of the value to the device
+        self.log("train/acc", self.train_acc)
 
     def _evaluate(self, batch, stage: str, metrics: ClassificationMetrics) -> None:
         x, y, _ = batch

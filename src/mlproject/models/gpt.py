@@ -1,7 +1,8 @@
 """The LightningModule for next-token prediction with the GPT of models/components/gpt.py.
 
 Like the Classifier it takes plain dicts. `parallel` says how strategy=fsdp|tp|fsdp_tp split the
-network (see distributed/parallel.py); under other strategies configure_model does nothing.
+network (see distributed/parallel.py); `compile` compiles the network (never this module), per block
+where it is sharded.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mlproject.models.optim import adamw, warmup_cosine
 
 
 class GPTModule(L.LightningModule):
-    def __init__(self, net: dict, optimizer: dict, scheduler: dict, parallel: dict):
+    def __init__(self, net: dict, optimizer: dict, scheduler: dict, parallel: dict, compile: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
@@ -29,8 +30,13 @@ class GPTModule(L.LightningModule):
         """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
         return {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
 
+    @property
+    def flops_per_token(self) -> int:
+        """For perf/mfu (callbacks/throughput.py)."""
+        return self.net.flops_per_token()
+
     def configure_model(self):
-        parallelize(self, self.net, **self.hparams.parallel)
+        parallelize(self, self.net, **self.hparams.parallel, compile=self.hparams.compile)
 
     def forward(self, x):
         return self.net(x)

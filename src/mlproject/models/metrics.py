@@ -1,5 +1,9 @@
 """Evaluation metrics as torchmetrics objects: reduced over all ranks by torchmetrics, never averaged
-per rank. Padded samples (target IGNORE_INDEX) are skipped, so N processes report what one would."""
+per rank. Padded samples (target IGNORE_INDEX) are skipped, so N processes report what one would.
+
+No update syncs the host with the device: the scores skip their input checks (`validate_args`, which
+call torch.unique; targets come from our own datamodules), and the loss keeps NaNs (see WeightedMean).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,30 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, Mul
 from mlproject.core.constants import IGNORE_INDEX
 
 
+class WeightedMean(MeanMetric):
+    """The weighted mean of a tensor, NaN included: a diverged model reports a NaN loss, not the mean of the
+    finite values. torchmetrics' default nan_strategy drops NaNs after checking for them (a host-device sync
+    per update); its "disable" skips the check but, in torchmetrics 1.9, also replaces the weights by ones."""
+
+    def __init__(self):
+        super().__init__(nan_strategy="disable")
+        self.set_dtype(torch.float64)  # float64 sums: the mean does not depend on how samples were split
+
+    def update(self, value: torch.Tensor, weight: torch.Tensor) -> None:
+        self.mean_value += (value * weight).sum().to(self.dtype)
+        self.weight += weight.sum().to(self.dtype)
+
+
+def counter() -> SumMetric:
+    return SumMetric(nan_strategy="disable")  # counts are never NaN: no check, no sync
+
+
 class ClassificationMetrics(nn.Module):
     """acc, macro f1, auroc, the sample-weighted mean loss and the number of samples counted."""
 
     def __init__(self, num_classes: int):
         super().__init__()
-        kw = {"num_classes": num_classes, "ignore_index": IGNORE_INDEX}
+        kw = {"num_classes": num_classes, "ignore_index": IGNORE_INDEX, "validate_args": False}
         self.scores = nn.ModuleDict(
             {
                 "acc": MulticlassAccuracy(average="micro", **kw),
@@ -25,14 +47,13 @@ class ClassificationMetrics(nn.Module):
                 "auroc": MulticlassAUROC(**kw),
             }
         )
-        # float64 sums: the loss then does not depend on how samples were split over ranks and batches
-        self.loss, self.samples = MeanMetric().set_dtype(torch.float64), SumMetric()
+        self.loss, self.samples = WeightedMean(), counter()
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Accumulate one batch; returns the batch's mean loss over its real samples."""
         losses = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="none")
         valid = (target != IGNORE_INDEX).float()
-        self.loss.update(losses.double(), weight=valid.double())
+        self.loss.update(losses.double(), valid.double())
         self.samples.update(valid.sum())
         for metric in self.scores.values():
             metric.update(logits, target)
@@ -47,14 +68,15 @@ class LanguageModelMetrics(nn.Module):
 
     def __init__(self, vocab_size: int):
         super().__init__()
-        self.acc = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=IGNORE_INDEX)
-        self.loss, self.samples = MeanMetric().set_dtype(torch.float64), SumMetric()  # float64: see above
+        kw = {"ignore_index": IGNORE_INDEX, "validate_args": False}
+        self.acc = MulticlassAccuracy(num_classes=vocab_size, average="micro", **kw)
+        self.loss, self.samples = WeightedMean(), counter()
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         """logits (batch, time, vocab), target (batch, time); padded sequences are all IGNORE_INDEX."""
         logits, flat = logits.flatten(0, 1).float(), target.flatten()
         losses = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="none")
-        self.loss.update(losses.double(), weight=(flat != IGNORE_INDEX).double())
+        self.loss.update(losses.double(), (flat != IGNORE_INDEX).double())
         self.samples.update((target != IGNORE_INDEX).any(dim=1).sum())
         self.acc.update(logits, flat)
 

@@ -103,6 +103,13 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.norm(x))
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs (forward and backward) per token, as nanoGPT's estimate_mfu (PaLM, appendix B):
+        6 per weight that multiplies (the embeddings are lookups) plus attention's scores and mixing,
+        12 x layers x width (heads x head size) x context. A DTensor counts its global size."""
+        weights = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(("tok_emb", "pos_emb")))
+        return 6 * weights + 12 * len(self.blocks) * self.tok_emb.embedding_dim * self.block_size
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
         """Append max_new_tokens sampled tokens to idx (batch, time), feeding back the last block_size."""
