@@ -2,16 +2,53 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 from mlproject.cli import hydra_entry
 from mlproject.distributed.launch import launch_local_ranks
 from mlproject.preflight import preflight
 
+EXAMPLE_GROUPS = ("data", "model")  # what a checkpoint's own run decides for eval
+
+
+def with_checkpoint_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """`cfg` with the data and model config of the run that wrote `cfg.ckpt_path`, then `overrides` on top.
+
+    `overrides` are the command line's (Hydra's task overrides): choosing a group (`data=text`, or an
+    `experiment=` that picks both) keeps the composed group; a key (`data.test_size=100`) takes its
+    composed value. A checkpoint without a saved config (or a missing path, refused by preflight) keeps `cfg`.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from mlproject.checkpoint.convert import load_full, run_config
+
+    if not Path(str(cfg.ckpt_path)).exists() or not (saved := run_config(load_full(cfg.ckpt_path))):
+        return cfg
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    chosen = {o.key_or_group for o in parsed}
+    merged = cfg.copy()
+    for group in EXAMPLE_GROUPS:
+        if group in saved and not chosen & {group, "experiment"}:
+            merged[group] = saved[group]
+    for o in parsed:
+        key = o.key_or_group
+        if key.split(".")[0] not in EXAMPLE_GROUPS or "." not in key:
+            continue
+        if o.is_delete():  # ~data.key
+            parent, _, leaf = key.rpartition(".")
+            OmegaConf.select(merged, parent).pop(leaf, None)
+        else:
+            OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
+    return merged
+
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Test the checkpoint `cfg.ckpt_path` (and write predictions.csv with `predict=true`); returns the
-    test metrics. No Hydra inside, like `train(cfg)`."""
+    test metrics. No Hydra inside, like `train(cfg)`: it evaluates the config it is given, so from Python
+    pass `with_checkpoint_config(cfg)` to use the checkpoint's data and model as `make eval` does."""
     launch_local_ranks(cfg, preflight(cfg))  # the other ranks of this node start now: their imports overlap
 
     import lightning as L
@@ -43,7 +80,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra_entry("eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    return evaluate(cfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    # The merge happens here, where the command line is known: the checkpoint's data and model are the
+    # base, and what the user typed for them (Hydra's task overrides) is applied on top.
+    return evaluate(with_checkpoint_config(cfg, HydraConfig.get().overrides.task))
 
 
 if __name__ == "__main__":
