@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
+import re
 import sys
 
 import hydra
@@ -25,7 +27,40 @@ def one_line(exc: BaseException) -> str:
         text += "\n" + cause
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
-    return " ".join(ln if ln.endswith((".", ":")) else ln + "." for ln in lines).replace(": .", ":")
+    return " ".join(ln if ln.endswith((".", ":", "?")) else ln + "." for ln in lines).replace(": .", ":")
+
+
+def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> ConfigError | None:
+    """A misspelled group, option or key, with the closest name that exists. Hydra's own advice for an unknown
+    key is `+key=value`, which adds a key nothing reads: the run then fails far away, or silently ignores it."""
+    text = str(exc)
+    if m := re.search(r"Could not find '(\w+)/([\w.-]+)'", text):
+        group, option = m.groups()
+        close = difflib.get_close_matches(option, [p.stem for p in (CONFIG_DIR / group).glob("*.yaml")], n=1)
+        return ConfigError(f"{one_line(exc)} Did you mean {group}={close[0]}?") if close else None
+    if not (m := re.search(r"Could not override '([\w.]+)'", text)):
+        return None
+    key = m.group(1)
+    value = next((a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == key), "...")
+    parent, _, leaf = key.rpartition(".")
+    names = [] if parent else [p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "hydra"]
+    try:  # the config as composed without the bad override: its keys where the bad one was
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+        from omegaconf import DictConfig, OmegaConf
+
+        others = [a for a in argv if a.lstrip("+~").split("=", 1)[0] != key]
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            node = compose(config_name, others)
+        node = OmegaConf.select(node, parent) if parent else node
+        names += list(node.keys()) if isinstance(node, DictConfig) else []
+    except Exception:  # another mistake on the same line: Hydra reports it once this one is fixed
+        pass
+    where = f"'{parent}' has no key '{leaf}'" if parent else f"'{key}' is neither a config group nor a key"
+    if close := difflib.get_close_matches(leaf, names, n=1):
+        return ConfigError(f"{where}; did you mean {parent + '.' if parent else ''}{close[0]}={value}?")
+    return ConfigError(f"{where}; its keys: {', '.join(names)} (to add a new key that your code reads: +{key}={value})")
 
 
 def exit_with(exc: BaseException) -> None:
@@ -66,7 +101,7 @@ def hydra_entry(config_name: str):
             try:
                 return wrapped()
             except ERRORS as exc:
-                exit_with(exc)
+                exit_with(did_you_mean(exc, config_name, sys.argv[1:]) or exc)
             except ValueError as exc:  # Hydra reports `group=null` with a plain ValueError
                 if "Config group override must be" not in str(exc):
                     raise

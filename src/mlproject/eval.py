@@ -52,9 +52,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     launch_local_ranks(cfg, preflight(cfg))  # the other ranks of this node start now: their imports overlap
 
     import lightning as L
-    from hydra.utils import get_class, instantiate
+    from hydra.utils import get_class
 
-    from mlproject.build import build_trainer, instantiate_all
+    from mlproject.build import build_trainer, first_batch_fits, instantiate_all, instantiate_at
     from mlproject.callbacks.predictions import PredictionWriter
     from mlproject.checkpoint.convert import load_module
     from mlproject.utils.report import apply_extras, print_summary, write_metrics
@@ -66,9 +66,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # the architecture comes from the checkpoint's saved hyperparameters, not from cfg.model; the checkpoint
     # may be of any strategy and world size (a file, a sharded or a DeepSpeed directory)
     model = load_module(get_class(cfg.model._target_), cfg.ckpt_path)
-    datamodule = instantiate(cfg.data)
-    trainer = build_trainer(cfg, instantiate_all(cfg.get("callbacks")))
-    trainer.test(model, datamodule=datamodule)
+    datamodule = instantiate_at(cfg, "data")
+    trainer = build_trainer(cfg, instantiate_all(cfg, "callbacks"))
+    with first_batch_fits(cfg, trainer):
+        trainer.test(model, datamodule=datamodule)
     values = write_metrics(trainer.callback_metrics, cfg.paths.output_dir)
     if cfg.predict:  # predictions.csv: id, label, pred of every test sample, once, in dataset order
         trainer.callbacks.append(PredictionWriter(f"{cfg.paths.output_dir}/predictions.csv"))
