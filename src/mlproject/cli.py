@@ -71,6 +71,23 @@ def exit_with(exc: BaseException) -> None:
     sys.exit(2)
 
 
+def discard_run_dir() -> None:
+    """A run refused before it trained (preflight, or a config error at the first batch) leaves no folder
+    behind. Hydra made the run directory before the task ran; rank 0 removes it unless it holds checkpoints
+    or metrics (a run resumed in place). Other ranks share the directory and leave it to rank 0."""
+    import shutil
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    if hc.mode.name != "RUN" or os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) != "0":
+        return
+    run_dir = Path(hc.runtime.output_dir)
+    if run_dir.is_dir() and not any((run_dir / kept).exists() for kept in ("checkpoints", "metrics.json")):
+        shutil.rmtree(run_dir, ignore_errors=True)  # ranks of other nodes may race for it
+
+
 def hydra_entry(config_name: str):
     """`hydra.main` on configs/<config_name>.yaml; a config mistake ends with one line and exit code 2.
 
@@ -88,6 +105,7 @@ def hydra_entry(config_name: str):
                 with local_ranks_end():  # the local ranks a task started (launch_local_ranks) end with it
                     return task(cfg)
             except ERRORS as exc:
+                discard_run_dir()
                 exit_with(exc)
 
         wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)
