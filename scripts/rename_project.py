@@ -38,8 +38,13 @@ ENTRY_CONFIGS = ("configs/train.yaml", "configs/eval.yaml")
 class Example:
     paths: tuple[str, ...]  # globs relative to the project root; {pkg} is the package name
     defaults: dict[str, str]  # the entry configs' defaults (group -> option) when this example is the default
+    # How README, docs and config comments name this example; aligned across examples by key. Where an
+    # example is dropped, each phrase becomes the same-keyed phrase of the kept default example.
+    prose: dict[str, str]
 
 
+# Tests that prove a feature on both examples go with either (they import both examples' test helpers).
+BOTH = ("tests/distributed/test_bf16.py", "tests/gpu/test_gpu.py")
 # Add an example's files here when you add them, so that dropping the example drops them too
 # (tests/test_starter.py fails when a kept file still imports a dropped module).
 EXAMPLES = {
@@ -62,8 +67,20 @@ EXAMPLES = {
             "scripts/bench.py",  # template vs plain loop on the digits CNN
             "notebooks/inspect_run.ipynb",  # confusion matrix of a classifier run
             "tests/test_notebook.py",
+            "tests/test_add_your_own.py",  # the README's walkthrough copies the digits files
+            *BOTH,
         ),
         defaults={"data": "digits", "model": "digits"},
+        prose={
+            "run": "the digits CNN (~15 s on 2 CPU cores, ~99% test accuracy)",
+            "recipe": "the digits CNN, wider and longer",
+            "data": "the 1,797 handwritten digits that ship with scikit-learn",
+            "data_file": "data/digits.py",
+            "data_config": "data/digits.yaml",
+            "model_config": "model/digits.yaml",
+            "experiment_file": "experiment/digits.yaml",
+            "experiment": "experiment=digits",
+        },
     ),
     "gpt": Example(
         paths=(
@@ -78,8 +95,19 @@ EXAMPLES = {
             "tests/distributed/recorder.py",
             "tests/checkpoint/test_sharded.py",  # sharded (FSDP) checkpoints, on the GPT
             "notebooks/*gpt*",
+            *BOTH,
         ),
         defaults={"data": "text", "model": "gpt"},
+        prose={
+            "run": "a small GPT on Python's documentation (a few minutes on 2 CPU cores)",
+            "recipe": "a small GPT on text",
+            "data": "Python's own documentation that ships with every CPython",
+            "data_file": "data/text.py",
+            "data_config": "data/text.yaml",
+            "model_config": "model/gpt.yaml",
+            "experiment_file": "experiment/gpt.yaml",
+            "experiment": "experiment=gpt",
+        },
     ),
 }
 
@@ -170,6 +198,18 @@ def drop_examples(root: Path, pkg: str, kept: list[str]) -> None:
                 path.write_text(text)
 
 
+def retell(root: Path, kept: list[str]) -> None:
+    """Prose (Markdown, config comments) names the kept default example where it named a dropped one."""
+    default = EXAMPLES[kept[0]].prose
+    phrases = {p: default[k] for name, ex in EXAMPLES.items() if name not in kept for k, p in ex.prose.items()}
+    for path in project_files(root):
+        if path.suffix in (".md", ".yaml"):
+            text = path.read_text()
+            for phrase in sorted(phrases, key=len, reverse=True):
+                text = text.replace(phrase, phrases[phrase])
+            path.write_text(text)
+
+
 def strip_template_only(root: Path) -> None:
     for path in project_files(root):
         if path.suffix == ".md":
@@ -229,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     if old is not None:
         rename(root, old, new)
     drop_examples(root, new, kept)
+    retell(root, kept)
     set_metadata(root, args.project_name, args.description, args.author, args.license)
     print(f"rename_project: package {new}, examples {', '.join(kept)}" + (f" (was {old})" if old else ""))
 

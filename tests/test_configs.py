@@ -41,8 +41,8 @@ def test_option_composes_and_instantiates(compose_cfg, group, option, monkeypatc
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
     assert sum(p.numel() for p in model.parameters()) > 0
-    callbacks = instantiate_all(cfg.get("callbacks"))
-    loggers = instantiate_all(cfg.get("logger"))
+    callbacks = instantiate_all(cfg, "callbacks")
+    loggers = instantiate_all(cfg, "logger")
     assert len(callbacks) == len([c for c in (cfg.get("callbacks") or {}).values() if "_target_" in c])
     if group == "logger":
         assert len(loggers) == (3 if option == "many" else 1)

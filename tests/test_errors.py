@@ -3,20 +3,55 @@
 from __future__ import annotations
 
 import pytest
+from hydra.utils import get_class
+from lightning.pytorch import LightningModule
+from omegaconf import OmegaConf
 
+from mlproject.core.constants import CONFIG_DIR
 from tests.helpers.processes import clean_env, run, run_dirs, run_in_process
 
+# The cases hold for any set of examples a project keeps: they name the defaults by reading train.yaml.
+TRAIN_DEFAULTS = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "train.yaml").defaults)
+DEFAULTS = {k: v for d in TRAIN_DEFAULTS if isinstance(d, dict) for k, v in d.items()}
+MODEL, DATA = DEFAULTS["model"], DEFAULTS["data"]
 CASES = {
-    "unknown option": (["model=resnet"], "Available options in 'model': digits"),
-    "unknown key": (["trainer.max_epoch=3"], "+trainer.max_epoch=3"),
+    "unknown option": (["model=resnet"], "Available options in 'model':"),
+    "misspelled option": ([f"model={MODEL[:-1]}"], f"Did you mean model={MODEL}?"),
+    "misspelled group": (
+        [f"modle={MODEL}"],
+        f"'modle' is neither a config group nor a key; did you mean model={MODEL}?",
+    ),
+    "unknown key": (["trainer.max_epoch=3"], "'trainer' has no key 'max_epoch'; did you mean trainer.max_epochs=3?"),
+    "misspelled data key": (["data.batchsize=32"], "did you mean data.batch_size=32?"),
+    "misspelled _target_": (
+        ["callbacks.model_checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpont"],
+        "callbacks.model_checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpont (the command line) cannot be "
+        "imported; did you mean lightning.pytorch.callbacks.ModelCheckpoint?",
+    ),
+    "misspelled constructor key": (
+        ["+callbacks.model_checkpoint.every_n_epoch=1"],
+        "callbacks.model_checkpoint.every_n_epoch (the command line): ModelCheckpoint takes no argument "
+        "'every_n_epoch'; did you mean callbacks.model_checkpoint.every_n_epochs?",
+    ),
     "wrong type": (["trainer.max_epochs=ten"], "trainer.max_epochs='ten' must be of type int"),
     "batch not divisible": (["strategy=ddp", "trainer.devices=3"], "use a multiple of 3"),
     "missing checkpoint": (["ckpt_path=nope.ckpt"], "ckpt_path=nope.ckpt does not exist"),
     "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
     "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
-    "fsdp without configure_model": (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp"),
     "group set to null": (["logger=null"], "use ~<group>, e.g. ~logger"),
 }
+if (
+    get_class(OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml")._target_).configure_model
+    is LightningModule.configure_model
+):
+    CASES["fsdp without configure_model"] = (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp")
+OTHER_DATA = sorted({p.stem for p in CONFIG_DIR.glob("data/*.yaml")} - {DATA})
+if OTHER_DATA:  # another example's data under the default model: caught at the first batch
+    CASES["data does not fit the model"] = (
+        [f"data={OTHER_DATA[0]}", "+trainer.limit_train_batches=1"],
+        f"data={OTHER_DATA[0]} (configs/data/{OTHER_DATA[0]}.yaml) does not fit model={MODEL} "
+        f"(configs/model/{MODEL}.yaml) at the first batch:",
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -28,7 +63,7 @@ def test_bad_override_gives_one_line(case, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert expected in lines[0]
     assert "Traceback" not in stderr
-    assert not any(d.joinpath("checkpoints").exists() for d in run_dirs(tmp_path))  # nothing half-written
+    assert not run_dirs(tmp_path)  # no run directory left behind
 
 
 def test_gpu_asked_for_where_none_is_visible(tmp_path):

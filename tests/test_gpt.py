@@ -69,7 +69,6 @@ def test_corpus_is_fixed_and_round_trips():
 @pytest.mark.parametrize(
     ("overrides", "error"),
     [
-        (["strategy=fsdp", "trainer.devices=2"], "configure_model"),
         (["model=gpt", "data=text", "strategy=fsdp_tp", "trainer.devices=3"], "must divide the 3 process"),
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=4"], "use strategy=fsdp_tp"),
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=3", "strategy.tensor_parallel_size=3"], "n_head"),

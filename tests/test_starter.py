@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from itertools import combinations
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,49 @@ def test_dropping_an_example_leaves_no_reference_to_it(tmp_path, dropped):
             refs += [f"{rel}: {g}={o}" for g, o in configs if re.search(rf"\b{g}={o}\b", text)]
     assert not refs, refs
     assert all(not p.exists() for p in files)
+
+
+SUBSETS = [
+    ",".join(c) for n in range(1, len(rename_project.EXAMPLES) + 1) for c in combinations(rename_project.EXAMPLES, n)
+]
+
+
+@pytest.fixture(scope="module", params=SUBSETS)
+def subset_project(request, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A project keeping one subset of the examples (none is refused: test_rename_refuses_before_changing_anything)."""
+    root = tmp_path_factory.mktemp("subset") / "cool-net"
+    copy_tree(PROJECT_ROOT, root)
+    rename_project.main(["cool_net", f"--root={root}", f"--examples={request.param}"])
+    return root, request.param.split(",")
+
+
+def test_every_subset_describes_what_it_keeps(subset_project):
+    """README, docs and config comments name the kept default example, never a dropped one."""
+    root, kept = subset_project
+    default = rename_project.EXAMPLES[kept[0]]
+    assert default.prose["run"] in (root / "README.md").read_text()
+    prose = {rel: data.decode() for rel, (data, _) in tree(root).items() if rel.endswith((".md", ".yaml"))}
+    dropped = [p for name, ex in rename_project.EXAMPLES.items() if name not in kept for p in ex.prose.values()]
+    assert not [(rel, p) for rel, text in prose.items() for p in dropped if p in text]
+    train_yaml = prose["configs/train.yaml"]
+    assert all(f"- {group}: {option}" in train_yaml for group, option in default.defaults.items())
+
+
+@pytest.mark.slow
+def test_every_subset_passes_its_fast_tests(subset_project):
+    """`make test-fast` of the generated project: a process of its own, since it is another package."""
+    root, _ = subset_project
+    env = clean_env(PYTHONPATH=str(root / "src"))
+    sh(
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "not slow",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        cwd=root,
+        env=env,
+        timeout=1200,
+    )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import difflib
 import functools
 import os
+import re
 import sys
 
 import hydra
@@ -26,7 +28,40 @@ def one_line(exc: BaseException) -> str:
         text += "\n" + cause
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
-    return " ".join(ln if ln.endswith((".", ":")) else ln + "." for ln in lines).replace(": .", ":")
+    return " ".join(ln if ln.endswith((".", ":", "?")) else ln + "." for ln in lines).replace(": .", ":")
+
+
+def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> ConfigError | None:
+    """A misspelled group, option or key, with the closest name that exists. Hydra's own advice for an unknown
+    key is `+key=value`, which adds a key nothing reads: the run then fails far away, or silently ignores it."""
+    text = str(exc)
+    if m := re.search(r"Could not find '(\w+)/([\w.-]+)'", text):
+        group, option = m.groups()
+        close = difflib.get_close_matches(option, [p.stem for p in (CONFIG_DIR / group).glob("*.yaml")], n=1)
+        return ConfigError(f"{one_line(exc)} Did you mean {group}={close[0]}?") if close else None
+    if not (m := re.search(r"Could not override '([\w.]+)'", text)):
+        return None
+    key = m.group(1)
+    value = next((a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == key), "...")
+    parent, _, leaf = key.rpartition(".")
+    names = [] if parent else [p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "hydra"]
+    try:  # the config as composed without the bad override: its keys where the bad one was
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+        from omegaconf import DictConfig, OmegaConf
+
+        others = [a for a in argv if a.lstrip("+~").split("=", 1)[0] != key]
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            node = compose(config_name, others)
+        node = OmegaConf.select(node, parent) if parent else node
+        names += list(node.keys()) if isinstance(node, DictConfig) else []
+    except Exception:  # another mistake on the same line: Hydra reports it once this one is fixed
+        pass
+    where = f"'{parent}' has no key '{leaf}'" if parent else f"'{key}' is neither a config group nor a key"
+    if close := difflib.get_close_matches(leaf, names, n=1):
+        return ConfigError(f"{where}; did you mean {parent + '.' if parent else ''}{close[0]}={value}?")
+    return ConfigError(f"{where}; its keys: {', '.join(names)} (to add a new key that your code reads: +{key}={value})")
 
 
 def exit_with(exc: BaseException) -> None:
@@ -35,6 +70,23 @@ def exit_with(exc: BaseException) -> None:
         raise exc
     print(f"error: {one_line(exc)}", file=sys.stderr)
     sys.exit(2)
+
+
+def discard_run_dir() -> None:
+    """A run refused before it trained (preflight, or a config error at the first batch) leaves no folder
+    behind. Hydra made the run directory before the task ran; rank 0 removes it unless it holds checkpoints
+    or metrics (a run resumed in place). Other ranks share the directory and leave it to rank 0."""
+    import shutil
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    if hc.mode.name != "RUN" or os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) != "0":
+        return
+    run_dir = Path(hc.runtime.output_dir)
+    if run_dir.is_dir() and not any((run_dir / kept).exists() for kept in ("checkpoints", "metrics.json")):
+        shutil.rmtree(run_dir, ignore_errors=True)  # ranks of other nodes may race for it
 
 
 def hydra_entry(config_name: str):
@@ -54,6 +106,7 @@ def hydra_entry(config_name: str):
                 with local_ranks_end():  # the local ranks a task started (launch_local_ranks) end with it
                     return task(cfg)
             except ERRORS as exc:
+                discard_run_dir()
                 exit_with(exc)
 
         wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)
@@ -67,7 +120,7 @@ def hydra_entry(config_name: str):
             try:
                 return wrapped()
             except ERRORS as exc:
-                exit_with(exc)
+                exit_with(did_you_mean(exc, config_name, sys.argv[1:]) or exc)
             except ValueError as exc:  # Hydra reports `group=null` with a plain ValueError
                 if "Config group override must be" not in str(exc):
                     raise

@@ -19,9 +19,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     launch_local_ranks(cfg, topology)  # the other ranks of this node start now: their imports overlap with ours
 
     import lightning as L
-    from hydra.utils import instantiate
 
-    from mlproject.build import build_trainer, instantiate_all
+    from mlproject.build import build_trainer, first_batch_fits, instantiate_all, instantiate_at
     from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
     from mlproject.checkpoint.storage import PortableCheckpointIO
@@ -35,9 +34,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         L.seed_everything(cfg.seed, workers=True)
 
     # 2. build: data, model, callbacks, loggers, trainer
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
-    callbacks = instantiate_all(cfg.get("callbacks"))
+    datamodule = instantiate_at(cfg, "data")
+    model = instantiate_at(cfg, "model", _convert_="all", _recursive_=False)
+    callbacks = instantiate_all(cfg, "callbacks")
     check_monitors(callbacks, model)
     # + RNG states and config in checkpoints; checkpoints of any strategy and world size load
     trainer = build_trainer(cfg, [*callbacks, RunState(cfg)], plugins=(PortableCheckpointIO(),))
@@ -51,7 +50,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     # 3. fit, then test the best checkpoint
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir))
+        with first_batch_fits(cfg, trainer):
+            ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = dict(trainer.callback_metrics)
     if cfg.test:
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""

@@ -139,6 +139,11 @@ def load_module(cls, path: str | Path):
     return module
 
 
+def run_config(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The resolved config of the run that wrote `checkpoint` (saved by RunState), or None."""
+    return (checkpoint.get("callbacks", {}).get("RunState") or {}).get("config")
+
+
 def export(ckpt_path: str | Path, out: str | Path, module: str = "net") -> None:
     """Write `{"state_dict", "config"}`: the weights of the LightningModule's attribute `module` (the bare
     nn.Module) and the run's resolved config, as plain tensors and containers (torch.load weights_only=True)."""
@@ -151,7 +156,7 @@ def export(ckpt_path: str | Path, out: str | Path, module: str = "net") -> None:
     state_dict = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state_dict:
         raise CheckpointError(f"{ckpt_path} has no weights under '{module}'; set module= to the network's attribute")
-    config = (checkpoint.get("callbacks", {}).get("RunState") or {}).get("config")
+    config = run_config(checkpoint)
     if config is None:  # a checkpoint written without RunState still has the model's hyperparameters
         config = {"model": OmegaConf.to_container(OmegaConf.create(dict(checkpoint["hyper_parameters"])))}
     tmp = f"{out}.tmp"

@@ -38,3 +38,13 @@ def drop_lightning_console_handler() -> None:
     lightning_logger = logging.getLogger("lightning")
     for handler in list(lightning_logger.handlers):
         lightning_logger.removeHandler(handler)
+    # Lightning advertises its cloud products ("Tip: ... litlogger", "litmodels") at INFO on every run; only
+    # those records are dropped, its warnings and other messages pass.
+    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoTips) for f in tips.filters):
+        tips.addFilter(NoTips())
+
+
+class NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
