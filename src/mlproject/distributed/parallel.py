@@ -97,8 +97,20 @@ def apply_fsdp(
     fully_shard(model, **kwargs)
 
 
+def shard(net: nn.Module, mesh, fsdp: dict | None, blocks: list[str], colwise=(), rowwise=()) -> None:
+    """TP, then activation checkpointing, then FSDP (`fsdp=None`: none) over a (data_parallel, tensor_parallel)
+    mesh: what parallelize applies in training, and what plan.py applies on the meta device to a fake world."""
+    settings = dict(fsdp or {})
+    if mesh["tensor_parallel"].size() > 1:
+        apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
+    if settings.pop("activation_checkpointing", False):
+        apply_ac(net, blocks)
+    if fsdp is not None:
+        apply_fsdp(net, mesh["data_parallel"], blocks, **settings)
+
+
 def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=()) -> None:
-    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then FSDP.
+    """The one call a LightningModule's configure_model makes: `shard` with the strategy's mesh and settings.
 
     A no-op under other strategies and on the second call (Lightning calls configure_model per fit/test).
     """
@@ -108,13 +120,8 @@ def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwis
     strategy = pl_module.trainer.strategy
     if not isinstance(strategy, ModelParallel) or any(isinstance(p, DTensor) for p in net.parameters()):
         return
-    mesh, fsdp = pl_module.device_mesh, dict(strategy.fsdp or {})
-    if mesh["tensor_parallel"].size() > 1:
-        apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
-    if fsdp.pop("activation_checkpointing", False):
-        apply_ac(net, blocks)
-    if strategy.fsdp is not None:
-        apply_fsdp(net, mesh["data_parallel"], blocks, **fsdp)
+    mesh = pl_module.device_mesh
+    shard(net, mesh, strategy.fsdp, blocks, colwise, rowwise)
     # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
     for metric in pl_module.modules():
         if isinstance(metric, Metric):
