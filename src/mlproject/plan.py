@@ -174,7 +174,9 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
 
     plan = cfg.model.get("parallel")
     zero = importlib.util.find_spec("deepspeed") is not None
-    layouts = [["strategy=ddp"] if topology.world_size > 1 else ["strategy=single"]]
+    if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
+        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if zero else [])]
+    layouts = [["strategy=ddp"]]
     if plan:
         layouts.append(["strategy=fsdp"])
         heads = (cfg.model.get("net") or {}).get("n_head") or 0
