@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from torchmetrics.classification import MulticlassAccuracy
 
 from mlproject.models.metrics import ClassificationMetrics
-from mlproject.models.optim import adamw, warmup_cosine
+from mlproject.models.optim import configure
 
 
 class Classifier(L.LightningModule):
@@ -59,7 +59,4 @@ class Classifier(L.LightningModule):
         return {"idx": idx, "target": y, "pred": self(x).argmax(-1)}
 
     def configure_optimizers(self):
-        opt = adamw(self, **self.hparams.optimizer)
-        total = int(self.trainer.estimated_stepping_batches)
-        sched = warmup_cosine(opt, total, **self.hparams.scheduler)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return configure(self, self.hparams.optimizer, self.hparams.scheduler)
