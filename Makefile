@@ -65,8 +65,11 @@ format: install ## ruff auto-fix and format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-.PHONY: submit submit-dryrun
-submit: install ## submit training to SLURM: make submit ARGS="cluster.nodes=2 trainer=gpu strategy=ddp" (see README)
+.PHONY: plan submit submit-dryrun
+plan: install ## memory per rank of each layout, and the one to use: make plan ARGS="experiment=gpt_large trainer.num_nodes=8"
+	$(PY) -m mlproject.plan $(OVERRIDES)
+
+submit: install ## submit training to SLURM (plans first; ARGS="--no-plan ..." skips it): make submit ARGS="cluster.nodes=2 trainer=gpu"
 	$(PY) -m mlproject.submit $(OVERRIDES)
 
 submit-dryrun: install ## print the sbatch script `make submit` would submit, without submitting

@@ -87,8 +87,11 @@ def plain_worker(rank: int, world: int, port: int, epochs: int, steps: int, over
     loader = DataLoader(data.train_set, batch_size=cfg.data.batch_size // world, sampler=sampler, drop_last=True)
     steps = min(steps, len(loader))
     model = instantiate(cfg.model.net)
-    opt = adamw(model, **cfg.model.optimizer)
-    sched = warmup_cosine(opt, epochs * steps, **cfg.model.scheduler)
+    # the template's defaults: no LR scaling, warmup in steps (the keys only configure() reads are dropped)
+    opt = adamw(model, **{k: v for k, v in cfg.model.optimizer.items() if k not in ("lr_scaling", "base_batch_size")})
+    sched = warmup_cosine(
+        opt, epochs * steps, **{k: v for k, v in cfg.model.scheduler.items() if k != "warmup_fraction"}
+    )
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     times, cpu, epoch_of = [], [], []

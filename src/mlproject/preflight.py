@@ -62,6 +62,15 @@ def check_accelerator(cfg: DictConfig) -> None:
         )
 
 
+def check_lr_scaling(cfg: DictConfig) -> None:
+    """An LR rule without the batch size it scales from stops here, not in every rank's configure_optimizers."""
+    from mlproject.models.optim import scaled_lr
+
+    opt = (cfg.get("model") or {}).get("optimizer") or {}
+    if "lr_scaling" in opt:
+        scaled_lr(opt.lr, 1, opt.lr_scaling, opt.get("base_batch_size"))
+
+
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
     from hydra.core.hydra_config import HydraConfig
@@ -74,6 +83,7 @@ def preflight(cfg: DictConfig) -> Topology:
     topology = Topology.of(cfg)
     check_in_job(cfg)
     check_accelerator(cfg)
+    check_lr_scaling(cfg)
     topology.validate()
     check_model_parallel(cfg, topology)
     ckpt = cfg.get("ckpt_path")

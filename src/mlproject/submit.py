@@ -1,8 +1,9 @@
-"""Submit training to SLURM: `python -m mlproject.submit [--dry-run] [overrides]`.
+"""Submit training to SLURM: `python -m mlproject.submit [--dry-run] [--no-plan] [overrides]`.
 
 Composes the same config `python -m mlproject.train` would (with cluster=slurm unless another cluster
-is given), refuses settings the job could not run, writes the sbatch script and submits it. The job
-runs `python -m mlproject.train` with the same overrides in every srun task.
+is given), refuses settings the job could not run and, unless `--no-plan`, a layout that would not fit the GPUs'
+memory (mlproject.plan), writes the sbatch script and submits it. The job runs `python -m mlproject.train`
+with the same overrides in every srun task.
 """
 
 from __future__ import annotations
@@ -18,19 +19,22 @@ from mlproject.cli import ERRORS, one_line
 from mlproject.cluster.slurm import check_before_submit, sbatch_script
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.resolvers import register_resolvers
+from mlproject.plan import check_fits
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    dry_run = "--dry-run" in args
-    overrides = [a for a in args if a != "--dry-run"]
+    dry_run, check_memory = "--dry-run" in args, "--no-plan" not in args
+    overrides = [a for a in args if a not in ("--dry-run", "--no-plan")]
     if not any(o.lstrip("+~").startswith("cluster=") for o in overrides):
         overrides = ["cluster=slurm", *overrides]
     register_resolvers()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides)
-        topology = check_before_submit(cfg)
+            topology = check_before_submit(cfg)
+            if check_memory and cfg.cluster.get("gpus_per_node"):  # the plan is of GPU memory
+                check_fits(overrides)
         slurm_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
         script = sbatch_script(cfg, topology, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
     except ERRORS as exc:  # one line and exit 2, as in train

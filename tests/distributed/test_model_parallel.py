@@ -119,3 +119,16 @@ def test_fsdp_holds_a_share_of_the_model(runs):
     for rank_bytes in fsdp:
         assert rank_bytes == pytest.approx(ddp[0] / 2, rel=0.02)
     assert max(tp) < single[0] and max(fsdp_tp) < min(fsdp)  # TP splits the blocks; 2-D also shards the rest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the first test waits for all runs
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp", "fsdp_tp"])
+def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
+    """mlproject.plan, on the meta device and a fake process group, against the footprint line of the real run."""
+    from mlproject.plan import estimate
+
+    cfg = compose_cfg(*TINY, *STRATEGIES[name])
+    measured = runs[name]["footprint"]
+    planned = [(row := estimate(cfg, rank=rank)).params + row.optimizer for rank in range(len(measured))]
+    assert sorted(planned) == sorted(measured)  # the logs of the ranks are read in no particular order

@@ -118,3 +118,36 @@ class ExitProbe(Callback):
     def __del__(self) -> None:
         if self.path is not None:
             self._write("teardown")
+
+
+class CountGradientAllReduces(Callback):
+    """Count the gradient all-reduces DDP issues in each micro-batch, and save them (rank 0) to `path` as a list
+    of (batch_idx, calls). DDP's reducer calls its communication hook once per gradient bucket; the hook here is
+    torch's default one (`allreduce_hook`, which calls torch.distributed.all_reduce), with
+    torch.distributed.all_reduce wrapped to count: the real collectives run."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.calls, self.counts = path, 0, []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        real = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        dist.all_reduce = counted  # allreduce_hook looks it up in torch.distributed at each call
+        trainer.strategy.model.register_comm_hook(None, allreduce_hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.calls = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.counts.append((batch_idx, self.calls))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            torch.save(self.counts, self.path)

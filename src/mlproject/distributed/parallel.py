@@ -106,9 +106,26 @@ def apply_fsdp(
     fully_shard(model, **kwargs)
 
 
+def shard(
+    net: nn.Module, mesh, fsdp: dict | None, blocks: list[str], colwise=(), rowwise=(), compile: bool = False
+) -> None:
+    """TP, then activation checkpointing, then compile (per block), then FSDP (`fsdp=None`: none) over a
+    (data_parallel, tensor_parallel) mesh: what parallelize applies in training, and what plan.py applies on
+    the meta device to a fake world."""
+    settings = dict(fsdp or {})
+    if mesh["tensor_parallel"].size() > 1:
+        apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
+    if settings.pop("activation_checkpointing", False):
+        apply_ac(net, blocks)
+    if compile:
+        apply_compile(net, blocks)
+    if fsdp is not None:
+        apply_fsdp(net, mesh["data_parallel"], blocks, **settings)
+
+
 def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=(), compile: bool = False) -> None:
-    """The one call a LightningModule's configure_model makes: TP, then activation checkpointing, then
-    compile (per block), then FSDP. Under other strategies only the compile (of the whole network).
+    """The one call a LightningModule's configure_model makes: `shard` with the strategy's mesh and settings.
+    Under other strategies only the compile (of the whole network).
 
     Lightning calls configure_model per fit/test: the second call does nothing.
     """
@@ -122,15 +139,8 @@ def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwis
         if compile:
             apply_compile(net)
         return
-    mesh, fsdp = pl_module.device_mesh, dict(strategy.fsdp or {})
-    if mesh["tensor_parallel"].size() > 1:
-        apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
-    if fsdp.pop("activation_checkpointing", False):
-        apply_ac(net, blocks)
-    if compile:
-        apply_compile(net, blocks)
-    if strategy.fsdp is not None:
-        apply_fsdp(net, mesh["data_parallel"], blocks, **fsdp)
+    mesh = pl_module.device_mesh
+    shard(net, mesh, strategy.fsdp, blocks, colwise, rowwise, compile)
     # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
     for metric in pl_module.modules():
         if isinstance(metric, Metric):

@@ -71,12 +71,9 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
         cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available()
     ):
         raise ConfigError("strategy.fsdp.cpu_offload=true moves GPU memory to the CPU; without a GPU set it to false")
-    from hydra.utils import get_class
-    from lightning.pytorch import LightningModule
-
-    model_cls = get_class(cfg.model._target_)  # imports Lightning: the last check
-    if model_cls.configure_model is LightningModule.configure_model:
+    if cfg.model.get("parallel") is None:  # the plan configure_model applies (distributed/parallel.py)
+        model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
         raise ConfigError(
-            f"strategy={name} needs a model whose configure_model splits it (e.g. model=gpt); "
-            f"{model_cls.__name__} has none; use strategy=ddp"
+            f"strategy={name} needs a model whose configure_model splits it by a `parallel` plan in its config "
+            f"(e.g. model=gpt); {model} has none; use strategy=ddp"
         )

@@ -13,7 +13,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mlproject.distributed.parallel import apply_compile
 from mlproject.models.metrics import ClassificationMetrics
-from mlproject.models.optim import adamw, warmup_cosine
+from mlproject.models.optim import configure
 
 
 class Classifier(L.LightningModule):
@@ -69,7 +69,4 @@ class Classifier(L.LightningModule):
         return {"idx": idx, "target": y, "pred": self(x).argmax(-1)}
 
     def configure_optimizers(self):
-        opt = adamw(self, **self.hparams.optimizer)
-        total = int(self.trainer.estimated_stepping_batches)
-        sched = warmup_cosine(opt, total, **self.hparams.scheduler)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return configure(self, self.hparams.optimizer, self.hparams.scheduler)

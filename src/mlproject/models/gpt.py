@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from mlproject.core.constants import IGNORE_INDEX
 from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
 from mlproject.models.metrics import LanguageModelMetrics
-from mlproject.models.optim import adamw, warmup_cosine
+from mlproject.models.optim import configure
 
 
 class GPTModule(L.LightningModule):
@@ -70,7 +70,4 @@ class GPTModule(L.LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
-        opt = adamw(self, **self.hparams.optimizer)
-        total = int(self.trainer.estimated_stepping_batches)
-        sched = warmup_cosine(opt, total, **self.hparams.scheduler)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return configure(self, self.hparams.optimizer, self.hparams.scheduler)

@@ -1,4 +1,5 @@
-"""AdamW with decay on weights only, and a per-step linear-warmup + cosine schedule. Shared by models."""
+"""AdamW with decay on weights only at an LR scaled to the effective batch, and a linear-warmup + cosine
+schedule per optimizer step. Shared by models."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import math
 
 import torch
 from torch import nn
+
+from mlproject.core.errors import ConfigError
+from mlproject.utils.rank_logging import get_logger
+
+log = get_logger(__name__)
 
 
 def adamw(module: nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.AdamW:
@@ -32,3 +38,51 @@ def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_rat
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def scaled_lr(lr: float, batch_size: int, lr_scaling: str = "none", base_batch_size: int | None = None) -> float:
+    """The peak LR for an effective batch of `batch_size`, given `lr` tuned at `base_batch_size`.
+
+    linear: lr x batch/base (Goyal et al., SGD and Adam up to ~512); sqrt: lr x sqrt(batch/base) (Adam at
+    larger batches, Malladi et al.); none: lr as given. Past a few thousand, keep the LR and lengthen warmup.
+    """
+    if lr_scaling == "none":
+        return lr
+    if lr_scaling not in ("linear", "sqrt") or not base_batch_size:
+        raise ConfigError(
+            f"model.optimizer.lr_scaling={lr_scaling} with base_batch_size={base_batch_size}: use none, or linear "
+            "or sqrt with model.optimizer.base_batch_size set to the batch size the lr was tuned for"
+        )
+    ratio = batch_size / base_batch_size
+    return lr * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def effective_batch(trainer) -> tuple[int, str]:
+    """Samples per optimizer step, and how: micro-batch x data-parallel ranks x accumulation (ask after
+    trainer.estimated_stepping_batches, which loads the train dataloader)."""
+    micro = trainer.train_dataloader.batch_size
+    replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)  # data-parallel: not TP ranks
+    accumulate = trainer.accumulate_grad_batches
+    return micro * replicas * accumulate, f"{micro} per device x {replicas} data-parallel rank(s) x {accumulate}"
+
+
+def configure(module, optimizer: dict, scheduler: dict) -> dict:
+    """configure_optimizers of both models: AdamW at the LR scaled to the effective batch, and warmup-cosine
+    stepped once per optimizer step (not per micro-batch); warmup_fraction, if set, is a share of all of them."""
+    total = int(module.trainer.estimated_stepping_batches)  # optimizer steps: accumulation is counted
+    batch, how = effective_batch(module.trainer)
+    optimizer = dict(optimizer)
+    rule, base = optimizer.pop("lr_scaling", "none"), optimizer.pop("base_batch_size", None)
+    base_lr = optimizer.pop("lr")
+    lr = scaled_lr(base_lr, batch, rule, base)
+    scheduler = dict(scheduler)
+    fraction = scheduler.pop("warmup_fraction", None)
+    if fraction is not None:
+        scheduler["warmup_steps"] = round(fraction * total)
+    rule_text = "" if rule == "none" else f" = {base_lr} x {'' if rule == 'linear' else 'sqrt'}({batch}/{base})"
+    log.info(
+        f"effective batch {batch} ({how} accumulation); lr {lr:.6g}{rule_text}; "
+        f"warmup {scheduler.get('warmup_steps', 0)} of {total} optimizer steps"
+    )
+    opt = adamw(module, lr, **optimizer)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup_cosine(opt, total, **scheduler), "interval": "step"}}

@@ -1,0 +1,297 @@
+"""Plan before you queue: `python -m mlproject.plan [overrides]` (`make plan ARGS=...`).
+
+For the composed train config, each candidate layout is dry-run as it would train: the model is built on the
+meta device (no memory, no weights), sharded by its own configure_model on a fake process group of the job's
+world size (torch's "fake" backend: collectives return at once, so 512 ranks take seconds), and given one
+AdamW step so the optimizer state exists. What one rank then holds is counted the way the footprint line
+counts it in a real run. DeepSpeed layouts use DeepSpeed's own estimators. The cheapest layout that fits the
+device memory is recommended: DDP, else FSDP (or ZeRO-2), else FSDP x TP, else ZeRO-3, else ZeRO-3 + offload.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from omegaconf import DictConfig
+
+from mlproject.core.errors import ConfigError
+from mlproject.core.topology import Topology
+
+GiB = 2**30
+# A layout fits when its estimate stays under this share of the device: the CUDA context, the allocator's
+# caches and transient buffers (FSDP's all-gathered block, DDP's buckets in flight) need the rest.
+HEADROOM = 0.9
+NO_FIT = "raise trainer.accumulate_grad_batches (smaller micro-batches, same global batch) or use more GPUs"
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one rank of one layout holds, in bytes. DeepSpeed's estimators give the model states as one sum."""
+
+    layout: str  # the strategy overrides, e.g. "strategy=fsdp"
+    states: int  # parameters + gradients + optimizer state
+    activations: int
+    params: int | None = None
+    grads: int | None = None
+    optimizer: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.states + self.activations
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A process group of `world_size` ranks in which this process is `rank` and no collective moves data."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's own dry-run backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def meta_model(cfg: DictConfig):
+    """The LightningModule of the config, on the meta device, in the dtype its precision stores weights in."""
+    import torch
+    from hydra.utils import instantiate
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
+        model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(cfg.trainer.precision))
+    return model.to(dtype) if dtype else model
+
+
+def _mesh(topology: Topology):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (topology.data_parallel_size, topology.tensor_parallel_size)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+
+def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes on this rank under a torch strategy (single, ddp, fsdp, tp,
+    fsdp_tp): DDP replicates, model-parallel layouts run the model's configure_model on the target mesh."""
+    import torch
+    from hydra.utils import instantiate
+
+    from mlproject.distributed.parallel import local_bytes
+
+    model = meta_model(cfg)
+    if topology.model_parallel:
+        # configure_model asks the trainer for its strategy and the module for the mesh, nothing more
+        model.trainer = SimpleNamespace(strategy=instantiate(cfg.strategy))
+        model._device_mesh = _mesh(topology)
+        model.configure_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)  # gradients are shaped and sharded like their parameters
+    optimizer = torch.optim.AdamW(params)  # both models' optimizer: two moments per parameter, a step count per tensor
+    optimizer.step()  # Adam creates its state at the first step
+    state = (v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return local_bytes(model.parameters()), local_bytes(p.grad for p in params), local_bytes(state)
+
+
+def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
+    """Bytes autograd saves for backward in one training step of one per-device micro-batch: the model's own
+    training_step runs on the meta device with TP and activation checkpointing applied as configured (FSDP
+    does not change them), under a hook that sums every tensor saved for backward."""
+    import torch
+    from hydra.utils import instantiate
+    from torchmetrics import Metric
+
+    from mlproject.distributed.parallel import apply_ac, apply_tp
+
+    model = meta_model(cfg)
+    plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
+    if topology.tensor_parallel_size > 1:
+        apply_tp(model, _mesh(topology)["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
+    if fsdp.get("activation_checkpointing"):
+        apply_ac(model, plan.blocks)
+    for metric in model.modules():  # metrics save nothing for backward, and bincount has no meta kernel
+        if isinstance(metric, Metric):
+            metric.update = lambda *args, **kwargs: None
+    data = instantiate(cfg.data)
+    x, y = data.splits()[0][0]
+    x, y = (torch.as_tensor(t) for t in (x, y))
+    batch = topology.per_device_batch_size
+    x, y = (torch.empty((batch, *t.shape), dtype=t.dtype, device="meta") for t in (x, y))
+    saved = 0
+
+    def count(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    # 16-bit mixed precision keeps weights in fp32 but most saved activations (matmul inputs) in 16 bits
+    mixed = str(cfg.trainer.precision).endswith("-mixed")
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        model.training_step((x, y, torch.arange(batch, device="meta")), 0)
+    return saved // 2 if mixed else saved
+
+
+def deepspeed_states(cfg: DictConfig, topology: Topology, stage: int, offload: bool) -> int:
+    """DeepSpeed's own estimate of the model states one GPU holds (it assumes 16-bit mixed precision);
+    ZeRO-1 has no estimator and holds at most what ZeRO-2 does plus the gradients it does not shard."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    model = meta_model(cfg)
+    # deepspeed's model_to_params tells shared tensors apart by data_ptr, which is 0 for every meta tensor
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    shape = {"num_gpus_per_node": topology.devices_per_node, "num_nodes": topology.nodes}
+    if stage == 3:
+        return estimate_zero3_model_states_mem_needs(total, largest, cpu_offload=offload, **shape)[1]
+    return estimate_zero2_model_states_mem_needs(total, cpu_offload=offload, **shape)[1] + 2 * total * (stage == 1)
+
+
+def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
+    """What `rank` holds when the composed config trains; `layout` labels the row."""
+    topology = Topology.of(cfg).validate()
+    layout = layout or f"strategy={topology.strategy}"
+    with fake_world(topology.world_size, rank) if topology.model_parallel else nullcontext():
+        activations = activation_bytes(cfg, topology)
+        if topology.strategy == "deepspeed":
+            stage, offload = int(cfg.strategy.get("stage", 2)), bool(cfg.strategy.get("offload"))
+            return Row(layout, deepspeed_states(cfg, topology, stage, offload), activations)
+        params, grads, optimizer = model_states(cfg, topology)
+    return Row(layout, params + grads + optimizer, activations, params, grads, optimizer)
+
+
+def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
+    """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
+    allows: a model with a parallel plan shards with FSDP (and TP inside a node), others with DeepSpeed ZeRO."""
+    import importlib.util
+
+    plan = cfg.model.get("parallel")
+    zero = importlib.util.find_spec("deepspeed") is not None
+    if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
+        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if zero else [])]
+    layouts = [["strategy=ddp"]]
+    if plan:
+        layouts.append(["strategy=fsdp"])
+        heads = (cfg.model.get("net") or {}).get("n_head") or 0
+        sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
+        sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
+        if plan.get("colwise") and sizes:
+            layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
+    elif zero:
+        layouts += [["strategy=deepspeed_stage_2"], ["strategy=deepspeed_stage_3"]]
+    if zero:
+        layouts.append(["strategy=deepspeed_stage_3_offload"])
+    return layouts
+
+
+def device_memory(cfg: DictConfig) -> int | None:
+    """Bytes of one target GPU: cluster.gpu_memory_gb, else the first visible GPU's, else unknown."""
+    import torch
+
+    gb = (cfg.get("cluster") or {}).get("gpu_memory_gb")
+    if gb:
+        return int(gb * GiB)
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: Topology
+    configured: Row
+    rows: list[Row]  # the candidates, cheapest first
+    memory: int | None
+
+    def fits(self, row: Row) -> bool | None:
+        return None if self.memory is None else row.total <= HEADROOM * self.memory
+
+    @property
+    def recommended(self) -> Row | None:
+        return next((row for row in self.rows if self.fits(row)), None)
+
+
+def plan(overrides: list[str]) -> Plan:
+    """Estimate the composed config as given and each candidate layout (the same overrides, another strategy)."""
+    from hydra import compose
+
+    from mlproject.distributed.strategies import check_model_parallel
+
+    cfg = compose("train", overrides)
+    topology = Topology.of(cfg).validate()
+    check_model_parallel(cfg, topology)  # e.g. heads that do not divide by the TP size
+    given = [o for o in overrides if o.startswith("strategy")]
+    configured = estimate(cfg, " ".join(given) or f"strategy={topology.strategy}")
+    rows = []
+    for layout in candidates(cfg, topology):
+        rows.append(estimate(compose("train", [*overrides, *layout]), " ".join(layout)))
+    return Plan(topology, configured, rows, device_memory(cfg))
+
+
+def size(n: int | None) -> str:
+    return "" if n is None else f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
+
+
+def print_plan(result: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    memory = (
+        f"{size(result.memory)} per device" if result.memory else "device memory unknown: set cluster.gpu_memory_gb"
+    )
+    table = Table(title=f"per rank of {result.topology.world_size}; {memory}", title_justify="left")
+    for column in ("layout", "params", "grads", "optimizer", "activations", "total", "fits"):
+        table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
+    best = result.recommended
+    for row in [result.configured, *result.rows]:
+        label = row.layout.replace("strategy=", "").replace("strategy.tensor_parallel_size=", "tp=")
+        mark = " (configured)" if row is result.configured else " <- use" if row is best else ""
+        fits = {None: "?", True: "yes", False: "no"}[result.fits(row)]
+        cells = [size(c) if c is not None else "-" for c in (row.params, row.grads, row.optimizer)]
+        table.add_row(label + mark, *cells, size(row.activations), size(row.total), fits)
+    Console(width=max(Console().width, 100)).print(table)
+    print(
+        "params/grads/optimizer: the real sharding on a fake process group (DeepSpeed: its estimator, the three in "
+        "one); activations: saved for backward by one micro-batch's training step (docs/planning.md)"
+    )
+    if best is None and result.memory:
+        print(f"no layout fits in {size(result.memory)}: {NO_FIT}")
+
+
+def check_fits(overrides: list[str]) -> None:
+    """Refuse, in one line naming the fix, a job whose configured layout would not fit its GPUs (for submit)."""
+    result = plan(overrides)
+    if result.memory is None or result.fits(result.configured):
+        return
+    needed = f"{result.configured.layout} needs {size(result.configured.total)} per GPU of {size(result.memory)}"
+    best = result.recommended
+    fix = f"use {best.layout} ({size(best.total)})" if best else NO_FIT
+    raise ConfigError(f"{needed} (`make plan` shows the table); {fix}, or skip this check with --no-plan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra import initialize_config_dir
+
+    from mlproject.cli import ERRORS, one_line
+    from mlproject.core.constants import CONFIG_DIR
+    from mlproject.core.resolvers import register_resolvers
+
+    overrides = sys.argv[1:] if argv is None else argv
+    register_resolvers()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            result = plan(overrides)
+    except ERRORS as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    print_plan(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

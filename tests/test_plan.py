@@ -1,0 +1,95 @@
+"""The memory planner (mlproject.plan): real layouts on a fake process group, and the layout it recommends.
+
+Its per-rank bytes are proven against real runs in tests/distributed/test_model_parallel.py; here, in one
+process: the arithmetic of a known model, 512 ranks in seconds, and the recommendation on a table of cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from mlproject import plan as planner
+from mlproject.core.constants import CONFIG_DIR
+from mlproject.core.topology import Topology
+
+GiB = 2**30
+# ~85M parameters: 12 blocks of width 768 (12 x 12 x 768^2) plus embeddings and head
+GPT_85M = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_layer=12", "model.net.n_head=8"]
+GPT_85M += ["model.net.n_embd=768", "data.block_size=64"]
+
+
+def world(n: int) -> list[str]:
+    """n ranks in nodes of 8, 8 sequences per rank."""
+    strategy = "strategy=single" if n == 1 else "strategy=ddp"
+    return [strategy, f"trainer.devices={min(n, 8)}", f"trainer.num_nodes={max(1, n // 8)}", f"data.batch_size={8 * n}"]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[int, planner.Plan]:
+    """world size -> the plan of the 85M GPT (memory set per case below)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        yield {n: planner.plan([*GPT_85M, *world(n)]) for n in (1, 8, 64)}
+    GlobalHydra.instance().clear()
+
+
+def test_adam_costs_16_bytes_per_parameter_under_ddp(plans):
+    ddp = plans[8].rows[0]
+    n = ddp.params // 4  # fp32
+    tensors = 2 + 12 * 16 + 2 + 1  # embeddings, 12 blocks of 8 weights and 8 biases, final norm, head
+    assert ddp.grads == 4 * n and ddp.optimizer == 8 * n + 4 * tensors  # two fp32 moments, a step count per tensor
+    fsdp = plans[8].rows[1]
+    assert fsdp.layout == "strategy=fsdp" and fsdp.states == pytest.approx(ddp.states / 8, rel=0.01)
+    assert plans[8].rows[0].activations == plans[64].rows[0].activations  # same micro-batch of 8 sequences
+
+
+@pytest.mark.parametrize(
+    ("ranks", "memory_gib", "layout"),
+    [
+        (8, 3.0, "strategy=ddp"),  # model states 1.27 GiB + activations 0.66 GiB fit one GPU
+        (8, 1.5, "strategy=fsdp"),  # DDP does not fit (1.94 GiB): shard over 8
+        (64, 1.5, "strategy=fsdp"),  # more ranks do not make DDP smaller ...
+        (8, 0.8, "strategy=deepspeed_stage_3_offload"),  # FSDP over 8 needs 0.82 GiB
+        (64, 0.8, "strategy=fsdp"),  # ... but FSDP over 64 fits (0.68 GiB)
+        (1, 1.5, "strategy=deepspeed_stage_3_offload"),  # one GPU: offload is the only way down
+        (1, 3.0, "strategy=single"),
+        (8, 0.5, None),  # activations alone need 0.66 GiB: nothing fits
+    ],
+)
+def test_recommendation_flips_where_it_should(plans, ranks, memory_gib, layout):
+    result = dataclasses.replace(plans[ranks], memory=int(memory_gib * GiB))
+    assert (result.recommended.layout if result.recommended else None) == layout
+
+
+def test_tensor_parallel_inside_a_node_and_zero_for_models_without_a_plan(compose_cfg):
+    cfg = compose_cfg(*GPT_85M, *world(64))
+    assert planner.candidates(cfg, Topology.of(cfg))[2] == ["strategy=fsdp_tp", "strategy.tensor_parallel_size=8"]
+    cfg = compose_cfg("model=digits", *world(8))  # no parallel plan: DeepSpeed shards it
+    assert planner.candidates(cfg, Topology.of(cfg)) == [
+        ["strategy=ddp"],
+        ["strategy=deepspeed_stage_2"],
+        ["strategy=deepspeed_stage_3"],
+        ["strategy=deepspeed_stage_3_offload"],
+    ]
+
+
+def test_512_ranks_in_seconds(compose_cfg):
+    cfg = compose_cfg("experiment=gpt_large", "trainer.devices=8", "trainer.num_nodes=64", "data.batch_size=1024")
+    start = time.perf_counter()
+    fsdp = planner.estimate(cfg)
+    assert time.perf_counter() - start < 30
+    # FSDP2 gives rank 0 the first ceil(rows / 512) rows of every tensor (fp32)
+    full = planner.meta_model(cfg).parameters()
+    assert fsdp.params == sum(math.ceil(p.shape[0] / 512) * p[0].numel() * 4 for p in full)
+
+
+def test_plan_prints_the_table(capsys):
+    assert planner.main([*GPT_85M, *world(8), "cluster.gpu_memory_gb=1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank of 8; 1.50 GiB per device" in out and "fsdp <- use" in out
