@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from mlproject.build import instantiate_all
 from mlproject.core.constants import CONFIG_DIR
+from mlproject.core.ranges import check_ranges
 
 
 def options(group: str) -> list[str]:
@@ -37,7 +38,7 @@ def test_option_composes_and_instantiates(compose_cfg, group, option, monkeypatc
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = compose_cfg(f"{group}={option}", "trainer.accelerator=cpu")
     OmegaConf.resolve(cfg)  # every interpolation resolves
-    assert cfg.data.batch_size > 0
+    check_ranges(cfg)  # every default is within its declared range
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
     assert sum(p.numel() for p in model.parameters()) > 0

@@ -37,6 +37,11 @@ CASES = {
     "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
     "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
     "group set to null": (["logger=null"], "use ~<group>, e.g. ~logger"),
+    "batch size zero": (["data.batch_size=0"], "data.batch_size=0 is out of range: it must be >= 1"),
+    "no devices": (["trainer.devices=0"], "trainer.devices=0 is out of range: it must be >= 1"),
+    "learning rate zero": (["model.optimizer.lr=0"], "model.optimizer.lr=0 is out of range: it must be > 0"),
+    "dropout above one": (["model.net.dropout=1.5"], "model.net.dropout=1.5 is out of range: it must be >= 0 and <= 1"),
+    "no signal checks": (["cluster.signal_check_every_n_steps=0"], "it must be >= 1"),
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
     CASES["fsdp without configure_model"] = (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp")

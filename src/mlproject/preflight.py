@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mlproject.core.errors import ConfigError
+from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
 
 
@@ -80,6 +81,7 @@ def preflight(cfg: DictConfig) -> Topology:
     from mlproject.distributed.strategies import check_model_parallel
 
     check_override_types(cfg)
+    check_ranges(cfg)  # before the topology divides by any of them
     topology = Topology.of(cfg)
     check_in_job(cfg)
     check_accelerator(cfg)

@@ -9,6 +9,7 @@ import sys
 from omegaconf import DictConfig
 
 from mlproject.core.errors import ConfigError
+from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
 
 # srun starts every process; the rendezvous address is the first node's address as SLURM knows it
@@ -65,6 +66,7 @@ def check_before_submit(cfg: DictConfig) -> Topology:
     """What preflight would refuse in the job, minus what only the compute nodes can tell (their GPUs)."""
     if (cfg.get("cluster") or {}).get("scheduler") != "slurm":
         raise ConfigError("mlproject.submit needs a SLURM cluster config; use cluster=slurm (the default of submit)")
+    check_ranges(cfg)
     check_allocation(cfg)
     return Topology.of(cfg).validate()
 
