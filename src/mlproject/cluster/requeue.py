@@ -191,8 +191,9 @@ class Requeue(Signals):
 
     def leave(self, trainer: L.Trainer, agreed: dict, saved: Path) -> None:
         # SIGTERM ends the job (scancel, the time limit) unless SLURM is preempting it (module docstring).
-        job = os.environ["SLURM_JOB_ID"]
-        if not (agreed[self.signum] or trainer.strategy.broadcast(trainer.is_global_zero and preempted(job))):
+        job = os.environ.get("SLURM_JOB_ID")  # the same on every rank: all or none join the broadcast
+        preempting = job is not None and trainer.strategy.broadcast(trainer.is_global_zero and preempted(job))
+        if not (agreed[self.signum] or preempting):
             return super().leave(trainer, agreed, saved)
         name = signal.Signals(self.signum if agreed[self.signum] else signal.SIGTERM).name
         if trainer.is_global_zero:
