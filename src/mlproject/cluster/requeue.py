@@ -54,6 +54,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from mlproject.checkpoint.storage import save_atomically
 from mlproject.core.constants import EXIT_DIVERGED, EXIT_SIGTERM
+from mlproject.core.errors import ConfigError
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
@@ -82,6 +83,11 @@ class Signals(L.Callback):
         self.received[signum] = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.skip_nonfinite and "DeepSpeed" in type(trainer.strategy).__name__:
+            raise ConfigError(
+                "divergence.skip=true cannot zero DeepSpeed's gradients (it keeps them outside the parameters); "
+                "use divergence.skip=false (stop on a non-finite loss)"
+            )
         device = trainer.strategy.root_device
         self._first_nonfinite = torch.tensor(NEVER, device=device)
         self._skipped = torch.tensor(0, device=device)
