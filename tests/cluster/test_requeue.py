@@ -18,14 +18,17 @@ SETUP = [
     "cluster.signal_check_every_n_steps=1",
 ]
 # SIGTERM at the end of the first batch: mid-accumulation, where no checkpoint may be taken
-SIGTERM_FIRST_BATCH = ["+callbacks.signal._target_=tests.distributed.collectives.SendSignal", "+callbacks.signal.step=0"]
-SIGTERM_FIRST_BATCH += ["+callbacks.signal.rank=0"]
+SIGTERM_FIRST_BATCH = [
+    "+callbacks.signal._target_=tests.distributed.collectives.SendSignal",
+    "+callbacks.signal.step=0",
+    "+callbacks.signal.rank=0",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_saves_at_the_next_step_and_resumes_bitwise(tmp_path):
-    train(tmp_path, "straight", "trainer=cpu", *SETUP)
+    train(tmp_path, "straight", *SETUP)
     signal_dir = tmp_path / "signal"
     signal_dir.mkdir()
     overrides = [*SETUP, "ckpt_path=auto"]
