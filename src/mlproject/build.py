@@ -101,7 +101,8 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
     Plugins from config (e.g. cluster=slurm's SLURMEnvironment) are kept next to the ones passed here:
     a `plugins=` argument alone would replace them. SyncBatchNorm goes through our plugin, which also
     works on CPU (torch's SyncBatchNorm is CUDA-only). Every run checks for signals every N steps rather
-    than Lightning's every step (cluster/requeue.py); cluster=slurm's Requeue is such a check already.
+    than Lightning's every step, and for a non-finite loss (cluster/requeue.py); cluster=slurm's Requeue is
+    such a check already.
     """
     from lightning.pytorch.callbacks import LearningRateMonitor
     from omegaconf import OmegaConf
@@ -110,7 +111,9 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
     from mlproject.distributed.syncbn import SyncBatchNormPlugin
 
     if not any(isinstance(c, Signals) for c in callbacks):
-        callbacks = [*callbacks, Signals(OmegaConf.select(cfg, "cluster.signal_check_every_n_steps", default=10))]
+        every = OmegaConf.select(cfg, "cluster.signal_check_every_n_steps", default=10)
+        divergence = cfg.get("divergence") or {}
+        callbacks = [*callbacks, Signals(every, divergence.get("skip", False), divergence.get("max_skipped", 10))]
 
     plugins = [*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins]
     if cfg.trainer.get("sync_batchnorm"):

@@ -1,4 +1,7 @@
-"""A real SLURM cluster for the tests: munged, slurmctld and two slurmd daemons on this host.
+"""A real SLURM cluster for the tests: munged, slurmctld and three slurmd daemons on this host.
+
+Nodes n1 and n2 form the default partition `debug`. Node n3 belongs only to two partitions for preemption
+tests: a job on `high` preempts (requeues, after a grace time) a job on `low`, and nothing else runs there.
 
 Everything lives in a temporary directory (config, state, logs, the munge socket); every daemon is
 started here and stopped here by PID. Where SLURM is missing, the fixture installs it with apt-get
@@ -22,6 +25,9 @@ from tests.helpers.processes import free_port
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "munged"]
 CPUS = 8  # per node, as SLURM counts them (config_overrides): room for every test job at once
+NODES = ("n1", "n2", "n3")
+LOW, HIGH = "low", "high"  # n3's partitions: a job on HIGH preempts one on LOW
+GRACE_SECONDS = 90  # between SIGTERM and SIGKILL of a preempted job: time to reach a step and save
 
 
 def install_reason() -> str | None:
@@ -82,7 +88,7 @@ class Slurm:
 def write_conf(root: Path) -> Path:
     nodes = "\n".join(
         f"NodeName=n{i} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} CPUs={CPUS} State=UNKNOWN"
-        for i in (1, 2)
+        for i in range(1, len(NODES) + 1)
     )
     conf = root / "slurm.conf"
     conf.write_text(
@@ -108,8 +114,12 @@ MpiDefault=none
 ReturnToService=2
 MailProg=/bin/true
 KillWait=5
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 {nodes}
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+PartitionName={LOW} Nodes=n3 PriorityTier=1 GraceTime={GRACE_SECONDS} MaxTime=INFINITE State=UP
+PartitionName={HIGH} Nodes=n3 PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
 """
     )
     return conf
@@ -154,11 +164,11 @@ def slurm() -> Slurm:
         while not (munge_dir / "munge.sock").exists() and procs[0].poll() is None:
             time.sleep(0.1)
         start("slurmctld", "-D", "-i", "-f", str(conf))
-        for node in ("n1", "n2"):
+        for node in NODES:
             start("slurmd", "-D", "-N", node, "-f", str(conf))
         cluster = Slurm(root, env)
         deadline = time.monotonic() + 60
-        while cluster.cmd("sinfo", "-h", "-o", "%t", check=False).split() != ["idle"]:
+        while set(cluster.cmd("sinfo", "-h", "-o", "%t", check=False).split() or ["none"]) != {"idle"}:
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 logs_text = "\n".join(f.read_text()[-1500:] for f in root.glob("*.log*") if f.is_file())
                 unavailable(f"SLURM did not start here: {cluster.cmd('sinfo', check=False)}\n{logs_text}")
@@ -167,8 +177,9 @@ def slurm() -> Slurm:
     finally:
         # End the jobs first: a job step whose slurmd is gone lingers (slurmstepd, srun) after the test.
         cluster = Slurm(root, env)
-        if len(procs) == 4 and all(p.poll() is None for p in procs):
-            cluster.cmd("scancel", "--partition=debug", check=False)
+        if len(procs) == 2 + len(NODES) and all(p.poll() is None for p in procs):
+            for partition in ("debug", LOW, HIGH):
+                cluster.cmd("scancel", f"--partition={partition}", check=False)
             deadline = time.monotonic() + 30
             while cluster.cmd("squeue", "-h", check=False) and time.monotonic() < deadline:
                 time.sleep(0.5)

@@ -1,4 +1,5 @@
-"""SLURM end to end on a real (one-host, two-node) cluster: submit, multi-node, sweep, preemption.
+"""SLURM end to end on a real (one-host, three-node) cluster: submit, multi-node, sweep, the time-limit
+warning (SIGUSR1) and real preemption (SIGTERM from a higher-priority job; conftest.py's partitions).
 
 The jobs of all tests are started together by one fixture (the cluster has room for all of them), so the
 module costs about the time of its slowest job rather than the sum; each test then checks its own job.
@@ -20,6 +21,7 @@ import torch
 
 from mlproject.cluster.slurm import RENDEZVOUS
 from mlproject.core.constants import PROJECT_ROOT
+from tests.cluster.conftest import CPUS, HIGH, LOW
 from tests.helpers.processes import clean_env, read_metrics, run, run_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # all jobs start in the first test's setup
@@ -49,20 +51,19 @@ def submit(slurm, log_dir: Path, *overrides: str) -> str:
     return proc.stdout.split()[3]  # "submitted SLURM job <id>"
 
 
-def catches_usr1(pid: str) -> bool:
-    """Whether the process has a SIGUSR1 handler: the Requeue callback's, set when training starts."""
+def catches(pid: str, signum: int) -> bool:
+    """Whether the process has a handler for `signum`: SIGUSR1's is the Requeue callback's, SIGTERM's the
+    one Lightning registers for it; both are set when training starts."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
     caught = int(status.split("SigCgt:")[1].split()[0], 16)
-    return bool(caught & (1 << (signal.SIGUSR1 - 1)))
+    return bool(caught & (1 << (signum - 1)))
 
 
-def preempt(slurm, job: str) -> str:
-    """Signal the job as SLURM does before a time limit, as soon as both tasks handle the signal (the two
-    "nodes" run on this host, so their PIDs are visible), then let the requeued job start at once instead
-    of after its ~120 s BeginTime."""
+def wait_until_training(slurm, job: str) -> None:
+    """Until both tasks handle SIGUSR1 and SIGTERM (the "nodes" run on this host, so their PIDs are visible)."""
     deadline = time.monotonic() + 200
     while True:
         state = slurm.state(job)
@@ -70,19 +71,43 @@ def preempt(slurm, job: str) -> str:
         if state == "RUNNING":
             node = slurm.field(job, "BatchHost")  # listpids asks one slurmd: the one running the tasks
             rows = [r.split() for r in slurm.cmd("scontrol", "listpids", job, node, check=False).splitlines()[1:]]
-            if sum(catches_usr1(row[0]) for row in rows if row[2] == "0") == 2:  # step 0: the srun tasks
-                break
+            tasks = [row[0] for row in rows if row[2] == "0"]  # step 0: the srun tasks
+            if sum(catches(pid, signal.SIGUSR1) and catches(pid, signal.SIGTERM) for pid in tasks) == 2:
+                return
         time.sleep(0.1)
-    slurm.cmd("scancel", "--signal=USR1", job)
-    # Until SLURM has requeued it (Restarts=1), the job shows its first run's end state (FAILED) while that
-    # run's step winds down (seconds on a loaded machine): waiting on that state would stop too early.
+
+
+def wait_requeued_and_done(slurm, job: str) -> str:
+    """Until SLURM has requeued the job (Restarts=1) it shows its first run's end state (FAILED) while that
+    run's step winds down (seconds on a loaded machine): waiting on that state would stop too early. The
+    requeued job starts at once instead of after its ~120 s BeginTime."""
     deadline = time.monotonic() + 120
     while slurm.field(job, "Restarts") == "0" and time.monotonic() < deadline:
         time.sleep(0.2)
     return slurm.wait(job, requeue_now=True)
 
 
+def warn_of_time_limit(slurm, job: str) -> str:
+    """Signal the job as SLURM does `cluster.signal_seconds` before its time limit."""
+    wait_until_training(slurm, job)
+    slurm.cmd("scancel", "--signal=USR1", job)
+    return wait_requeued_and_done(slurm, job)
+
+
+def preempt(slurm, job: str) -> tuple[str, str]:
+    """Submit a job that needs all of the training job's node to the higher-priority partition: SLURM
+    preempts the training job (SIGTERM, then the grace time). Returns both jobs' end states."""
+    wait_until_training(slurm, job)
+    wrap = ["--wrap", "sleep 1"]
+    high = slurm.cmd(
+        "sbatch", "--parsable", f"--partition={HIGH}", f"--cpus-per-task={CPUS}", "--output=/dev/null", *wrap
+    )
+    return wait_requeued_and_done(slurm, job), slurm.wait(high)
+
+
+# Slow steps, each checked for signals: a signal sent during training is honoured at the next step
 SLOW = ["+callbacks.slow._target_=tests.helpers.callbacks.SlowSteps", "+callbacks.slow.seconds=0.5"]
+SLOW += ["cluster.signal_check_every_n_steps=1"]
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -93,7 +118,8 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
-    logs = {k: tmp_path_factory.mktemp(k) for k in ("local", "one_node", "two_nodes", "preempted", "sweep")}
+    names = ("local", "one_node", "two_nodes", "time_limit", "preempted", "sweep")
+    logs = {k: tmp_path_factory.mktemp(k) for k in names}
     sweep = [
         "--multirun",
         f"paths.log_dir={logs['sweep']}",
@@ -118,11 +144,17 @@ def jobs(slurm, tmp_path_factory):
         ids = {
             "one_node": submit(slurm, logs["one_node"], "cluster.tasks_per_node=2"),
             "two_nodes": submit(slurm, logs["two_nodes"], "cluster.nodes=2", "cluster.tasks_per_node=1"),
-            "preempted": submit(slurm, logs["preempted"], "cluster.tasks_per_node=2", *SLOW),
+            "time_limit": submit(slurm, logs["time_limit"], "cluster.tasks_per_node=2", *SLOW),
+            # alone on its node (conftest.py): the higher-priority job preempts this one only
+            "preempted": submit(
+                slurm, logs["preempted"], "cluster.tasks_per_node=2", f"cluster.partition={LOW}", *SLOW
+            ),
         }
+        warned = pool.submit(warn_of_time_limit, slurm, ids["time_limit"])
         preempted = pool.submit(preempt, slurm, ids["preempted"])
-        states = {k: slurm.wait(j) for k, j in ids.items() if k != "preempted"}
-        states["preempted"] = preempted.result()
+        states = {k: slurm.wait(j) for k, j in ids.items() if k not in ("time_limit", "preempted")}
+        states["time_limit"] = warned.result()
+        states["preempted"], states["preemptor"] = preempted.result()
         local.result()
         sweep_proc = sweeping.result()
     (reference,) = run_dirs(logs["local"])
@@ -172,13 +204,14 @@ def test_sweep_one_job_per_trial(jobs):
     assert lrs == {"0.01", "0.02"}
 
 
-def test_preempted_job_resumes_in_its_run_directory(jobs, slurm):
-    job = jobs["ids"]["preempted"]
-    log = slurm_log(jobs, "preempted")
-    assert jobs["states"]["preempted"] == "COMPLETED", log[-3000:]
+def assert_resumed_in_its_run_directory(jobs, slurm, key: str, signal_name: str) -> None:
+    job = jobs["ids"][key]
+    log = slurm_log(jobs, key)
+    assert jobs["states"][key] == "COMPLETED", log[-3000:]
     assert slurm.field(job, "Restarts") == "1"
+    assert re.search(rf"signal {signal_name}: saved \S+/last.ckpt at step \d+", log), log[-3000:]
     assert f"requeued SLURM job {job}" in log and "Restoring states from the checkpoint path" in log
-    (run_dir,) = run_dirs(jobs["logs"]["preempted"])
+    (run_dir,) = run_dirs(jobs["logs"][key])
     assert run_dir.name == job
     # Same steps on the same data from the same state: equal up to float summation order (gloo's
     # all-reduce of two ranks is deterministic, so in practice this holds bitwise).
@@ -191,3 +224,12 @@ def test_preempted_job_resumes_in_its_run_directory(jobs, slurm):
 def test_launcher_rendezvous_is_submits():
     text = (PROJECT_ROOT / "configs" / "hydra" / "launcher" / "slurm.yaml").read_text()
     assert all(line in text for line in RENDEZVOUS)
+
+
+def test_time_limit_warning_requeues_and_resumes_in_its_run_directory(jobs, slurm):
+    assert_resumed_in_its_run_directory(jobs, slurm, "time_limit", "SIGUSR1")
+
+
+def test_preempted_job_saves_requeues_and_ends_as_an_uninterrupted_run(jobs, slurm):
+    assert jobs["states"]["preemptor"] == "COMPLETED"
+    assert_resumed_in_its_run_directory(jobs, slurm, "preempted", "SIGTERM")

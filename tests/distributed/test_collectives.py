@@ -14,8 +14,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from mlproject.core.constants import PROJECT_ROOT
+from mlproject.core.constants import EXIT_SIGTERM, PROJECT_ROOT
 from tests.helpers.processes import clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -71,7 +72,8 @@ def runs(tmp_path_factory) -> dict:
         procs[name] = (popen, out)
     for name, (popen, _) in procs.items():
         output = popen.communicate(timeout=500)[0].decode()
-        assert popen.returncode == 0, f"{name} exited {popen.returncode}\n{output[-4000:]}"
+        expected = EXIT_SIGTERM if name == "sigterm" else 0  # saved last.ckpt, then exited as on SIGTERM
+        assert popen.returncode == expected, f"{name} exited {popen.returncode}\n{output[-4000:]}"
     return {name: out for name, (_, out) in procs.items()}
 
 
@@ -100,3 +102,5 @@ def test_steps_issue_only_the_strategys_collectives(runs, name):
 def test_sigterm_on_one_rank_stops_all_within_the_check_interval(runs):
     stopped = [json.loads((runs["sigterm"] / f"stopped{r}.json").read_text()) for r in (0, 1)]
     assert stopped == [{"step": 8, "exception": "SIGTERMException"}] * 2  # signal after step 5, check at 8
+    (ckpt,) = runs["sigterm"].rglob("last.ckpt")
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] == 8

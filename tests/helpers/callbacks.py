@@ -151,3 +151,22 @@ class CountGradientAllReduces(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
             torch.save(self.counts, self.path)
+
+
+class PoisonLoss(Callback):
+    """Multiply the training loss by NaN at the optimizer steps `steps` (0-based, as the loggers count), on
+    `rank` only or on every rank: a model that diverges at known steps, its weights NaN after the step."""
+
+    def __init__(self, steps: list[int], rank: int | None = None):
+        self.steps, self.rank = list(steps), rank
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        training_step = pl_module.training_step
+
+        def poisoned(*args, **kwargs):
+            loss = training_step(*args, **kwargs)
+            hit = trainer.global_step in self.steps and self.rank in (None, trainer.global_rank)
+            return loss * float("nan") if hit else loss
+
+        if stage == "fit":
+            pl_module.training_step = poisoned

@@ -31,6 +31,18 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
         os.remove(old)
 
 
+def save_atomically(trainer, path: str | Path, weights_only: bool = False) -> None:
+    """`trainer.save_checkpoint` under `<path>.tmp`, renamed into place by rank 0 once every rank has written
+    (its shard); the previous checkpoint at `path` stays loadable until then. Called on every rank."""
+    tmp = f"{path}.tmp"
+    trainer.strategy.remove_checkpoint(tmp)  # the leftover of a save that was killed
+    trainer.strategy.barrier("checkpoint_tmp_removed")
+    trainer.save_checkpoint(tmp, weights_only)  # every rank; ends with a barrier
+    if trainer.is_global_zero:
+        replace_checkpoint(tmp, path)
+    trainer.strategy.barrier("checkpoint_renamed")
+
+
 class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ModelCheckpoint, but each checkpoint is written under `<name>.tmp` and renamed into place.
 
@@ -57,13 +69,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        tmp = f"{filepath}.tmp"
-        trainer.strategy.remove_checkpoint(tmp)  # the leftover of a save that was killed
-        trainer.strategy.barrier("checkpoint_tmp_removed")
-        trainer.save_checkpoint(tmp, self.save_weights_only)  # every rank; ends with a barrier
-        if trainer.is_global_zero:
-            replace_checkpoint(tmp, filepath)
-        trainer.strategy.barrier("checkpoint_renamed")
+        save_atomically(trainer, filepath, self.save_weights_only)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:

@@ -1,9 +1,24 @@
-"""Signals during training: SIGTERM stops the run, SIGUSR1 (SLURM) saves last.ckpt, requeues and exits.
+"""Signals and divergence during training, decided by all ranks together at optimizer-step boundaries.
 
-A signal handler only notes the signal. Every `every_n_steps` optimizer steps all ranks agree on what any
-of them received in one small all-reduce, and act together at that step: a rank that acted alone would
-leave the others waiting in their next collective. So a signal is honoured within `every_n_steps` optimizer
-steps of its arrival (plus the step under way), and steps in between carry no collective of ours.
+- SIGTERM (a scheduler's preemption or stop, `scancel`, a container stop): save last.ckpt, exit 143; but
+  under cluster=slurm, if SLURM is preempting the job: save, `scontrol requeue` the job, exit 0.
+- SLURM's `--signal` (SIGUSR1 `cluster.signal_seconds` before the time limit), under cluster=slurm:
+  save last.ckpt, `scontrol requeue` the job, exit 0.
+- A non-finite training loss: stop with one line naming the first such step, exit 3, and never write a
+  checkpoint of the weights it produced; or, with `divergence.skip=true`, zero that step's gradients and go
+  on, up to `divergence.max_skipped` such steps.
+
+A signal handler only notes the signal, and the loss is checked on the device (no sync). Every
+`every_n_steps` optimizer steps all ranks agree on what any of them received or saw in one small all-reduce,
+and act together at that step: a rank that acted alone would leave the others waiting in their next
+collective. So a signal is honoured within `every_n_steps` optimizer steps of its arrival (plus the step
+under way), steps in between carry no collective of ours, and the checks fall only where an optimizer step
+has just ended, never between the micro-batches of gradient accumulation. A checkpoint written between two
+checks (ModelCheckpoint runs after every other callback) is preceded by a check of its own, so it can
+never hold the weights of a non-finite step.
+
+Every save here goes through `save_atomically`, like every ModelCheckpoint save, into the checkpoint
+callback's directory: where `ckpt_path=auto` looks.
 
 Lightning 2.6 instead broadcasts a SIGTERM flag from rank 0 and reads it back (`.item()`) at every training
 step when world size > 1 (loops/training_epoch_loop.py: _broadcast_sigterm_tensor; upstream issue
@@ -17,6 +32,9 @@ Requeue is the only component that requeues:
   another rank's gradient all-reduce and hang; and its hpc_ckpt_N.ckpt is resumed behind ckpt_path's back.
 - submitit's handler listens on SIGUSR2; the sweep launcher (configs/hydra/launcher/slurm.yaml) asks
   SLURM for SIGUSR1 instead, so only this callback hears it.
+- A SIGTERM from `scancel` or the time limit means the job should end; one from a preemption (the job's
+  PreemptTime is set) requeues here: SLURM (22.05) requeues a preempted job only if it is still running when
+  the grace time ends, and one that saved and exited earlier would end FAILED instead.
 The requeued job keeps its SLURM_JOB_ID, so it writes into the same run directory, and `ckpt_path=auto`
 resumes from the checkpoint saved here.
 """
@@ -34,18 +52,26 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from mlproject.checkpoint.storage import save_atomically
+from mlproject.core.constants import EXIT_DIVERGED, EXIT_SIGTERM
+from mlproject.core.errors import ConfigError
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 
+NEVER = 2**62  # "no non-finite step yet"; the first such step is agreed as the smallest over ranks
+
 
 class Signals(L.Callback):
-    """Stop on SIGTERM, checked every `every_n_steps` optimizer steps on all ranks at once."""
+    """Save and stop on SIGTERM, stop (or skip) on a non-finite loss; checked every `every_n_steps`
+    optimizer steps on all ranks at once."""
 
-    def __init__(self, every_n_steps: int = 10):
-        self.every_n_steps = every_n_steps
+    def __init__(self, every_n_steps: int = 10, skip_nonfinite: bool = False, max_skipped: int = 10):
+        self.every_n_steps, self.skip_nonfinite, self.max_skipped = every_n_steps, skip_nonfinite, max_skipped
         self.received = {signal.SIGTERM: False}
-        self._checked_step = -1
+        self._last_step = self._checked_step = -1
+        self._skipped_seen = 0
+        self._first_nonfinite = self._skipped = self._step_nonfinite = None  # on the device, from on_train_start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before Lightning registers its handlers (Trainer._run): its SIGTERM handler broadcasts from rank 0,
@@ -56,28 +82,108 @@ class Signals(L.Callback):
     def _on_signal(self, signum, frame) -> None:
         self.received[signum] = True
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.skip_nonfinite and "DeepSpeed" in type(trainer.strategy).__name__:
+            raise ConfigError(
+                "divergence.skip=true cannot zero DeepSpeed's gradients (it keeps them outside the parameters); "
+                "use divergence.skip=false (stop on a non-finite loss)"
+            )
+        device = trainer.strategy.root_device
+        self._first_nonfinite = torch.tensor(NEVER, device=device)
+        self._skipped = torch.tensor(0, device=device)
+        self._step_nonfinite = torch.tensor(False, device=device)
+        self._last_step = self._checked_step = trainer.global_step  # a resumed run starts at its checkpoint
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._step_nonfinite |= ~torch.isfinite(loss.detach())  # any micro-batch of this optimizer step
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        bad = self._step_nonfinite.clone()
+        if self.skip_nonfinite:
+            # Gradients are what the step applies, and under ddp they hold every rank's loss (a NaN spreads in
+            # the all-reduce), so every rank skips alike. Zeroed, not skipped: deciding to skip on the host
+            # would cost a sync per step; AdamW then applies only its momentum and weight decay.
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor: this rank's shard
+            if local:
+                bad |= ~torch.isfinite(torch.stack(torch._foreach_norm(local)).sum())
+            for g in local:
+                g.masked_fill_(bad, 0)
+            self._skipped += bad
+        step = trainer.global_step  # the 0-based index of this optimizer step, as the loggers count
+        self._first_nonfinite = torch.where(bad, torch.clamp(self._first_nonfinite, max=step), self._first_nonfinite)
+        self._step_nonfinite.zero_()
+
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         step = trainer.global_step  # the same on every rank; unchanged between accumulated micro-batches
-        if step == self._checked_step or step % self.every_n_steps:
-            return
-        self._checked_step = step
-        flags = torch.tensor(list(self.received.values()), dtype=torch.int32, device=trainer.strategy.root_device)
+        stepped, self._last_step = step != self._last_step, step
+        if stepped and step % self.every_n_steps == 0:
+            self.act(trainer, self.agree(trainer))
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # A save (every rank is in it) at a step no check has covered: check the loss first, so that no
+        # checkpoint holds the weights of a non-finite step. Signals wait for the next regular check.
+        training = trainer.state.fn == "fit" and self._first_nonfinite is not None
+        if training and trainer.global_step != self._checked_step:
+            self.check_loss(trainer, self.agree(trainer))
+
+    def agree(self, trainer: L.Trainer) -> dict:
+        """What any rank received or saw, agreed by all: one all-reduce (MAX) and one read of its result."""
+        self._checked_step = trainer.global_step
+        flags = torch.tensor(list(self.received.values()), dtype=torch.int64, device=self._skipped.device)
+        state = torch.cat([flags, torch.stack([NEVER - self._first_nonfinite, self._skipped])])
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # not strategy.reduce: it adds a barrier before
-        agreed = dict(zip(self.received, flags.tolist(), strict=True))
-        self.act(trainer, agreed)
+            dist.all_reduce(state, op=dist.ReduceOp.MAX)  # not strategy.reduce: it adds a barrier before
+        *flags, first, skipped = state.tolist()
+        return {**dict(zip(self.received, flags, strict=True)), "first_nonfinite": NEVER - first, "skipped": skipped}
+
+    def check_loss(self, trainer: L.Trainer, agreed: dict) -> None:
+        first, skipped = agreed["first_nonfinite"], agreed["skipped"]
+        if first == NEVER:
+            return
+        if not self.skip_nonfinite:
+            self.stop(trainer, f"training diverged: non-finite loss at step {first}")
+        if skipped > self.max_skipped:
+            self.stop(
+                trainer,
+                f"training diverged: {skipped} steps with a non-finite loss skipped, more than "
+                f"divergence.max_skipped={self.max_skipped}; the first at step {first}",
+            )
+        if skipped > self._skipped_seen:
+            self._skipped_seen = skipped
+            log.warning(f"skipped {skipped} step(s) with a non-finite loss so far, the first at step {first}")
+
+    def stop(self, trainer: L.Trainer, message: str) -> None:
+        if trainer.is_global_zero:
+            ckpt = trainer.checkpoint_callback
+            kept = f"; {ckpt.last_model_path} is the last good state" if ckpt and ckpt.last_model_path else ""
+            print(f"error: {message}{kept}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DIVERGED)  # on every rank at this step
 
     def act(self, trainer: L.Trainer, agreed: dict) -> None:
-        if agreed[signal.SIGTERM]:
-            log.info(f"SIGTERM: stopping at step {trainer.global_step}")
-            raise SIGTERMException  # on every rank at this step; Lightning ends the run as after its own check
+        self.check_loss(trainer, agreed)
+        if any(agreed[signum] for signum in self.received):
+            self.leave(trainer, agreed, self.save(trainer))
+
+    def leave(self, trainer: L.Trainer, agreed: dict, saved: Path) -> None:
+        log.info(f"SIGTERM: saved {saved} at step {trainer.global_step}; exiting with code {EXIT_SIGTERM}")
+        raise SIGTERMException(EXIT_SIGTERM)  # on every rank at this step; Lightning ends the run
+
+    def save(self, trainer: L.Trainer) -> Path:
+        """Write last.ckpt where `ckpt_path=auto` looks (the checkpoint callback's directory), atomically."""
+        ckpt = trainer.checkpoint_callback
+        folder = ckpt.dirpath if ckpt and ckpt.dirpath else Path(trainer.default_root_dir) / "checkpoints"
+        path = Path(folder) / "last.ckpt"
+        save_atomically(trainer, path)
+        return path
 
 
 class Requeue(Signals):
-    """Also on `signum` (SLURM's warning before a time limit or preemption): checkpoint, requeue, exit."""
+    """Also on `signum` (SLURM's warning before a time limit), and on SIGTERM when SLURM preempts the job:
+    checkpoint, requeue, exit 0."""
 
-    def __init__(self, signum: int = signal.SIGUSR1, every_n_steps: int = 10):
-        super().__init__(every_n_steps)
+    def __init__(self, signum: int = signal.SIGUSR1, **kwargs):
+        super().__init__(**kwargs)
         self.signum = signum
         self.received[signum] = False
         self._previous = None
@@ -89,15 +195,22 @@ class Requeue(Signals):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         signal.signal(self.signum, self._previous or signal.SIG_DFL)
 
-    def act(self, trainer: L.Trainer, agreed: dict) -> None:
-        if not agreed[self.signum]:
-            return super().act(trainer, agreed)
-        path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"  # where ckpt_path=auto looks
-        trainer.save_checkpoint(path)
-        job = os.environ["SLURM_JOB_ID"]
+    def leave(self, trainer: L.Trainer, agreed: dict, saved: Path) -> None:
+        # SIGTERM ends the job (scancel, the time limit) unless SLURM is preempting it (module docstring).
+        job = os.environ.get("SLURM_JOB_ID")  # the same on every rank: all or none join the broadcast
+        preempting = job is not None and trainer.strategy.broadcast(trainer.is_global_zero and preempted(job))
+        if not (agreed[self.signum] or preempting):
+            return super().leave(trainer, agreed, saved)
+        name = signal.Signals(self.signum if agreed[self.signum] else signal.SIGTERM).name
         if trainer.is_global_zero:
-            log.info(f"signal {signal.Signals(self.signum).name}: saved {path} at step {trainer.global_step}")
+            log.info(f"signal {name}: saved {saved} at step {trainer.global_step}")
             subprocess.run(["scontrol", "requeue", job], check=True)
-            log.info(f"requeued SLURM job {job}; it resumes from {path}")
+            log.info(f"requeued SLURM job {job}; it resumes from {saved}")
         trainer.strategy.barrier("requeue")  # no rank exits (and makes srun end the job) before the requeue
         sys.exit(0)
+
+
+def preempted(job: str) -> bool:
+    """Whether SLURM is preempting the job: its PreemptTime is set (SIGTERM came from the preemption)."""
+    fields = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout.split()
+    return any(f.startswith("PreemptTime=") and f != "PreemptTime=None" for f in fields)

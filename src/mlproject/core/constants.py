@@ -1,9 +1,15 @@
-"""Where the project lives, and the target value that marks a padded evaluation sample."""
+"""Where the project lives, the target value that marks a padded evaluation sample, and exit codes."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 IGNORE_INDEX = -100  # target value of padded evaluation samples; losses and metrics skip it
+# Exit codes of runs that every rank ends together at an agreed step (cluster/requeue.py); a launcher that
+# sees one from another rank need not stop this rank, which ends the same way.
+EXIT_SIGTERM = 128 + signal.SIGTERM  # stopped on SIGTERM after saving last.ckpt (the shell's code for it)
+EXIT_DIVERGED = 3  # stopped on a non-finite training loss; last.ckpt is the last good state
+AGREED_EXITS = (EXIT_SIGTERM, EXIT_DIVERGED)

@@ -14,6 +14,7 @@ import time
 
 from omegaconf import DictConfig
 
+from mlproject.core.constants import AGREED_EXITS
 from mlproject.core.errors import ConfigError
 from mlproject.core.resolvers import generated_run_id
 from mlproject.core.topology import Topology
@@ -182,7 +183,8 @@ def _kill_children() -> None:
 
 def _report_failed() -> bool:
     with _polling:
-        failed = [(rank, p) for rank, p in enumerate(_children, 1) if p.poll()]
+        # an agreed exit (SIGTERM, divergence) is this rank's too, at the same step: not a failure to report
+        failed = [(rank, p) for rank, p in enumerate(_children, 1) if p.poll() not in (None, 0, *AGREED_EXITS)]
         for rank, p in failed:
             if rank not in _reported:
                 _reported.add(rank)
