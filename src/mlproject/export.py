@@ -7,6 +7,9 @@ resolved config>}` that needs neither Lightning nor this package to read:
     ckpt = torch.load("model.pt", weights_only=True)
     net = hydra.utils.instantiate(ckpt["config"]["model"]["net"])
     net.load_state_dict(ckpt["state_dict"])
+
+The weights are the EMA where the run kept one (callbacks=ema): the weights it validated; `ema=false`
+exports the raw ones.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from mlproject.cli import hydra_entry
 def main(cfg: DictConfig) -> None:
     from mlproject.checkpoint.convert import export
 
-    export(cfg.ckpt_path, cfg.out, cfg.module)
+    export(cfg.ckpt_path, cfg.out, cfg.module, cfg.ema)
     print(f"wrote {cfg.out}")
 
 

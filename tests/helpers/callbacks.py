@@ -170,3 +170,31 @@ class PoisonLoss(Callback):
 
         if stage == "fit":
             pl_module.training_step = poisoned
+
+
+class RecordWeights(Callback):
+    """The full trainable parameters at the start of training and after every optimizer step (not micro-batch),
+    saved by rank 0 to `path` as a list of {name: tensor}: what a hand-computed EMA is made from."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.weights, self.step = path, [], None
+
+    def _record(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
+        full = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for n, p in pl_module.named_parameters()
+            if p.requires_grad
+        }
+        self.weights.append(full)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._record(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step != self.step:
+            self._record(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            torch.save(self.weights, self.path)

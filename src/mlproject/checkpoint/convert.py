@@ -131,11 +131,20 @@ def load_full(path: str | Path) -> dict[str, Any]:
     return _from_sharded(path) if fmt == "sharded" else _from_deepspeed(path)
 
 
+def averaged(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A module's state dict with its EMA weights (callbacks=ema keeps them as `ema.<parameter>`) in place of
+    the raw parameters, and without the `ema.` keys: the weights the run validated and tested. Without an
+    EMA, the state dict as it is."""
+    ema = {k.removeprefix("ema."): v for k, v in state_dict.items() if k.startswith("ema.")}
+    return {k: ema.get(k, v) for k, v in state_dict.items() if not k.startswith("ema.")}
+
+
 def load_module(cls, path: str | Path):
-    """The LightningModule `cls` rebuilt from the checkpoint's hyperparameters, with its weights."""
+    """The LightningModule `cls` rebuilt from the checkpoint's hyperparameters, with its weights (the EMA
+    weights where the run kept them)."""
     checkpoint = load_full(path)
     module = cls(**checkpoint["hyper_parameters"])
-    module.load_state_dict(checkpoint["state_dict"])
+    module.load_state_dict(averaged(checkpoint["state_dict"]))
     return module
 
 
@@ -144,16 +153,18 @@ def run_config(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return (checkpoint.get("callbacks", {}).get("RunState") or {}).get("config")
 
 
-def export(ckpt_path: str | Path, out: str | Path, module: str = "net") -> None:
+def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: bool = True) -> None:
     """Write `{"state_dict", "config"}`: the weights of the LightningModule's attribute `module` (the bare
-    nn.Module) and the run's resolved config, as plain tensors and containers (torch.load weights_only=True)."""
+    nn.Module) and the run's resolved config, as plain tensors and containers (torch.load weights_only=True).
+    With `ema` the EMA weights where the checkpoint has them (callbacks=ema), else the raw weights."""
     import os
 
     from omegaconf import OmegaConf
 
     checkpoint = load_full(ckpt_path)
     prefix = f"{module}."
-    state_dict = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    weights = averaged(checkpoint["state_dict"]) if ema else checkpoint["state_dict"]
+    state_dict = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
     if not state_dict:
         raise CheckpointError(f"{ckpt_path} has no weights under '{module}'; set module= to the network's attribute")
     config = run_config(checkpoint)

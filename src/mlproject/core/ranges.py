@@ -72,6 +72,7 @@ RANGES: dict[str, Range] = {
     "cluster.gpu_memory_gb": POSITIVE,
     "callbacks.model_checkpoint.every_n_train_steps": COUNT,
     "callbacks.model_checkpoint.save_top_k": Range(-1),
+    "callbacks.ema.decay": FRACTION,
 }
 
 
