@@ -22,9 +22,40 @@ def test_eval_sampler_counts_each_sample_once(n, world):
     assert real == data  # each sample exactly once, none repeated
 
 
-def test_padding_sample_is_masked():
+def test_padding_is_masked_by_its_index_not_its_target():
+    """A padded slot repeats sample 0, target included (a regression target has no value to spare for
+    "ignore"): the metrics skip it because its index is PAD."""
+    from mlproject.models.metrics import ClassificationMetrics, LanguageModelMetrics
+
     x, y, idx = Indexed([(torch.ones(2), torch.tensor(3))])[PAD]
-    assert idx == PAD and y.item() == -100
+    assert idx == PAD and y.item() == 3
+    logits, target, idx = torch.randn(3, 4), torch.tensor([1, 2, 1]), torch.tensor([5, 6, PAD])
+    metrics = ClassificationMetrics(num_classes=4)
+    metrics.update(logits, target, idx != PAD)
+    alone = ClassificationMetrics(num_classes=4)
+    alone.update(logits[:2], target[:2], torch.ones(2, dtype=torch.bool))
+    assert {k: m.compute() for k, m in metrics.items().items()} == {k: m.compute() for k, m in alone.items().items()}
+    lm = LanguageModelMetrics(vocab_size=4)
+    lm.update(torch.randn(3, 5, 4), torch.ones(3, 5, dtype=torch.long), idx != PAD)
+    assert lm.samples.compute() == 2
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __getitem__(self, i: int):
+        return torch.rand(3), i
+
+
+def test_augmentation_is_seeded_by_seed_epoch_and_index_only():
+    """The same (seed, epoch, index) draws the same augmentation in any process, and loading a sample leaves
+    the caller's random streams where they were."""
+    data = Indexed(Noisy(), seed=7)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    a = data[(2, 1)][0]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.manual_seed(123)  # another process state: same draw
+    assert torch.equal(data[(2, 1)][0], a)
+    assert not torch.equal(data[(2, 0)][0], a) and not torch.equal(data[(3, 1)][0], a)
 
 
 def test_per_device_batch_size():

@@ -1,4 +1,4 @@
-"""Where the project lives, and the target value that marks a padded evaluation sample."""
+"""Where the project lives, the sampler index of a padded evaluation slot, and the target value losses skip."""
 
 from __future__ import annotations
 
@@ -6,4 +6,5 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CONFIG_DIR = PROJECT_ROOT / "configs"
-IGNORE_INDEX = -100  # target value of padded evaluation samples; losses and metrics skip it
+PAD = -1  # sampler index of a padded evaluation slot: metrics mask it by this index, whatever its target
+IGNORE_INDEX = -100  # target value that losses and metrics skip (metrics put it on padded slots)
