@@ -26,7 +26,8 @@ def test_loss_is_the_weighted_mean_and_keeps_nan():
     assert metrics.loss.compute().isnan()
 
     scores = ClassificationMetrics(num_classes=3)
-    scores.update(torch.tensor([[math.nan] * 3, [0.0, 1.0, 2.0]]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool))
+    one_nan = torch.tensor([[math.nan] * 3, [0.0, 1.0, 2.0]])
+    scores.update(one_nan, torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool))
     assert scores.loss.compute().isnan()
 
 
