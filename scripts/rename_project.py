@@ -87,7 +87,10 @@ EXAMPLES = {
             "src/{pkg}/models/gpt.py",
             "src/{pkg}/models/components/gpt.py",
             "src/{pkg}/data/text.py",
+            "src/{pkg}/data/tokens.py",  # a token corpus on disk, for the GPT
             "configs/data/text.yaml",
+            "configs/data/tokens.yaml",
+            "tests/data/test_tokens.py",
             "configs/model/gpt*.yaml",
             "configs/experiment/gpt*.yaml",
             "tests/**/test_*gpt*.py",
