@@ -51,9 +51,12 @@ EXAMPLES = {
     "digits": Example(
         paths=(
             "src/{pkg}/data/digits.py",
+            "src/{pkg}/data/images.py",  # an image folder, with the digits written as PNGs
             "src/{pkg}/models/classifier.py",
             "src/{pkg}/models/components/cnn.py",
             "configs/data/digits.yaml",
+            "configs/data/images.yaml",
+            "tests/data/test_images.py",
             "configs/model/digits.yaml",
             "configs/experiment/digits*.yaml",
             "tests/**/test_*digits*.py",

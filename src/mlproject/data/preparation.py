@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mlproject.core.errors import ConfigError
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
@@ -41,6 +42,8 @@ def prepare(dir: str | Path, key: dict, build: Callable[[Path], dict]) -> dict:
     manifest = read_manifest(dir)
     if manifest is not None and manifest["key"] == key:
         return manifest
+    if manifest is None and dir.is_dir() and any(dir.iterdir()):  # never replace what a preparation did not make
+        raise ConfigError(f"data.dir={dir} holds files that no preparation made; give an empty or new directory")
     _remove_abandoned(dir)
     tmp = dir.with_name(f"{dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
