@@ -123,3 +123,28 @@ def test_rich_bar_reads_the_loss_when_it_draws_only(tmp_path):
     assert all(isinstance(m["train/loss"], float) for m in train_draws)
     assert "train/loss" not in trainer.progress_bar_metrics
     assert "train/loss" in out.getvalue()
+
+
+def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
+    """With workers, a StatefulDataLoader reads ahead as soon as its iterator is made, which Lightning does
+    before it sets the epoch of a resumed run: the sampler's state carries the epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from mlproject.data.base import TrainSampler
+
+    def loader():
+        sampler = TrainSampler(range(100), 1, 0, shuffle=True, seed=3, drop_last=True)
+        return sampler, StatefulDataLoader(Indexed(Noisy()), batch_size=4, sampler=sampler, num_workers=2)
+
+    sampler, straight = loader()
+    sampler.set_epoch(1)
+    batches = iter(straight)
+    for _ in range(8):
+        next(batches)
+    state = straight.state_dict()
+    want = [next(batches)[2].tolist() for _ in range(3)]
+    sampler, resumed = loader()
+    resumed.load_state_dict(state)
+    batches = iter(resumed)
+    sampler.set_epoch(1)
+    assert [next(batches)[2].tolist() for _ in range(3)] == want

@@ -110,10 +110,12 @@ class TrainSampler(DistributedSampler):
         return order[self.rank : self.total_size : self.num_replicas].numpy()
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed_all_ranks": self.consumed * self.num_replicas}
+        return {"consumed_all_ranks": self.consumed * self.num_replicas, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skip = state["consumed_all_ranks"] // self.num_replicas
+        # with workers the resumed iterator reads ahead as soon as it is made, before Lightning sets the epoch
+        self.epoch = state.get("epoch", self.epoch)
 
 
 class DataModule(L.LightningDataModule):
