@@ -65,6 +65,10 @@ format: install ## ruff auto-fix and format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+.PHONY: prepare
+prepare: install ## prepare a dataset on disk ahead of training: make prepare ARGS="data=tokens data.source='texts/*.txt'"
+	$(PY) -m mlproject.prepare $(OVERRIDES)
+
 .PHONY: plan submit submit-dryrun
 plan: install ## memory per rank of each layout, and the one to use: make plan ARGS="experiment=gpt_large trainer.num_nodes=8"
 	$(PY) -m mlproject.plan $(OVERRIDES)

@@ -51,9 +51,12 @@ EXAMPLES = {
     "digits": Example(
         paths=(
             "src/{pkg}/data/digits.py",
+            "src/{pkg}/data/images.py",  # an image folder, with the digits written as PNGs
             "src/{pkg}/models/classifier.py",
             "src/{pkg}/models/components/cnn.py",
             "configs/data/digits.yaml",
+            "configs/data/images.yaml",
+            "tests/data/test_images.py",
             "configs/model/digits.yaml",
             "configs/experiment/digits*.yaml",
             "tests/**/test_*digits*.py",
@@ -87,7 +90,10 @@ EXAMPLES = {
             "src/{pkg}/models/gpt.py",
             "src/{pkg}/models/components/gpt.py",
             "src/{pkg}/data/text.py",
+            "src/{pkg}/data/tokens.py",  # a token corpus on disk, for the GPT
             "configs/data/text.yaml",
+            "configs/data/tokens.yaml",
+            "tests/data/test_tokens.py",
             "configs/model/gpt*.yaml",
             "configs/experiment/gpt*.yaml",
             "tests/**/test_*gpt*.py",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from mlproject.core.constants import EXIT_DIVERGED, IGNORE_INDEX
+from mlproject.core.constants import EXIT_DIVERGED
 from mlproject.models.metrics import ClassificationMetrics, LanguageModelMetrics
 from tests.helpers.processes import FAST, read_metrics, run, run_dirs
 
@@ -19,17 +19,19 @@ POISON = "+callbacks.poison._target_=tests.helpers.callbacks.PoisonLoss"
 
 def test_loss_is_the_weighted_mean_and_keeps_nan():
     metrics = LanguageModelMetrics(vocab_size=5)
-    logits, target = torch.randn(2, 3, 5), torch.tensor([[1, 2, 3], [IGNORE_INDEX] * 3])  # 2nd sequence: padding
-    metrics.update(logits, target)
+    logits, target = torch.randn(2, 3, 5), torch.tensor([[1, 2, 3], [4, 4, 4]])
+    valid = torch.tensor([True, False])  # the 2nd sequence is padding
+    metrics.update(logits, target, valid)
     expected = torch.nn.functional.cross_entropy(logits[0], target[0]).double()
     torch.testing.assert_close(metrics.loss.compute(), expected)
     assert metrics.samples.compute() == 1
     logits[0, 0, 0] = math.nan
-    metrics.update(logits, target)
+    metrics.update(logits, target, valid)
     assert metrics.loss.compute().isnan()
 
     scores = ClassificationMetrics(num_classes=3)
-    scores.update(torch.tensor([[math.nan] * 3, [0.0, 1.0, 2.0]]), torch.tensor([0, 1]))  # one sample NaN
+    one_nan = torch.tensor([[math.nan] * 3, [0.0, 1.0, 2.0]])
+    scores.update(one_nan, torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool))
     assert scores.loss.compute().isnan()
 
 

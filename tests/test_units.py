@@ -22,9 +22,40 @@ def test_eval_sampler_counts_each_sample_once(n, world):
     assert real == data  # each sample exactly once, none repeated
 
 
-def test_padding_sample_is_masked():
+def test_padding_is_masked_by_its_index_not_its_target():
+    """A padded slot repeats sample 0, target included (a regression target has no value to spare for
+    "ignore"): the metrics skip it because its index is PAD."""
+    from mlproject.models.metrics import ClassificationMetrics, LanguageModelMetrics
+
     x, y, idx = Indexed([(torch.ones(2), torch.tensor(3))])[PAD]
-    assert idx == PAD and y.item() == -100
+    assert idx == PAD and y.item() == 3
+    logits, target, idx = torch.randn(3, 4), torch.tensor([1, 2, 1]), torch.tensor([5, 6, PAD])
+    metrics = ClassificationMetrics(num_classes=4)
+    metrics.update(logits, target, idx != PAD)
+    alone = ClassificationMetrics(num_classes=4)
+    alone.update(logits[:2], target[:2], torch.ones(2, dtype=torch.bool))
+    assert {k: m.compute() for k, m in metrics.items().items()} == {k: m.compute() for k, m in alone.items().items()}
+    lm = LanguageModelMetrics(vocab_size=4)
+    lm.update(torch.randn(3, 5, 4), torch.ones(3, 5, dtype=torch.long), idx != PAD)
+    assert lm.samples.compute() == 2
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __getitem__(self, i: int):
+        return torch.rand(3), i
+
+
+def test_augmentation_is_seeded_by_seed_epoch_and_index_only():
+    """The same (seed, epoch, index) draws the same augmentation in any process, and loading a sample leaves
+    the caller's random streams where they were."""
+    data = Indexed(Noisy(), seed=7)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    a = data[(2, 1)][0]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.manual_seed(123)  # another process state: same draw
+    assert torch.equal(data[(2, 1)][0], a)
+    assert not torch.equal(data[(2, 0)][0], a) and not torch.equal(data[(3, 1)][0], a)
 
 
 def test_per_device_batch_size():
@@ -92,3 +123,28 @@ def test_rich_bar_reads_the_loss_when_it_draws_only(tmp_path):
     assert all(isinstance(m["train/loss"], float) for m in train_draws)
     assert "train/loss" not in trainer.progress_bar_metrics
     assert "train/loss" in out.getvalue()
+
+
+def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
+    """With workers, a StatefulDataLoader reads ahead as soon as its iterator is made, which Lightning does
+    before it sets the epoch of a resumed run: the sampler's state carries the epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from mlproject.data.base import TrainSampler
+
+    def loader():
+        sampler = TrainSampler(range(100), 1, 0, shuffle=True, seed=3, drop_last=True)
+        return sampler, StatefulDataLoader(Indexed(Noisy()), batch_size=4, sampler=sampler, num_workers=2)
+
+    sampler, straight = loader()
+    sampler.set_epoch(1)
+    batches = iter(straight)
+    for _ in range(8):
+        next(batches)
+    state = straight.state_dict()
+    want = [next(batches)[2].tolist() for _ in range(3)]
+    sampler, resumed = loader()
+    resumed.load_state_dict(state)
+    batches = iter(resumed)
+    sampler.set_epoch(1)
+    assert [next(batches)[2].tolist() for _ in range(3)] == want

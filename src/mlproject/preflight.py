@@ -72,6 +72,16 @@ def check_lr_scaling(cfg: DictConfig) -> None:
         scaled_lr(opt.lr, 1, opt.lr_scaling, opt.get("base_batch_size"))
 
 
+def check_vocabulary(cfg: DictConfig) -> None:
+    """A model with fewer token ids than its data would fail at the first out-of-range id, deep in an embedding."""
+    data, net = cfg.get("data") or {}, (cfg.get("model") or {}).get("net") or {}
+    if "vocab_size" in data and "vocab_size" in net and net.vocab_size < data.vocab_size:
+        raise ConfigError(
+            f"model.net.vocab_size={net.vocab_size} is smaller than data.vocab_size={data.vocab_size}; "
+            "drop the override (it follows the data) or raise it"
+        )
+
+
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
     from hydra.core.hydra_config import HydraConfig
@@ -86,6 +96,7 @@ def preflight(cfg: DictConfig) -> Topology:
     check_in_job(cfg)
     check_accelerator(cfg)
     check_lr_scaling(cfg)
+    check_vocabulary(cfg)
     topology.validate()
     check_model_parallel(cfg, topology)
     ckpt = cfg.get("ckpt_path")

@@ -198,3 +198,17 @@ class RecordWeights(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
             torch.save(self.weights, self.path)
+
+
+class PeakMemory(Callback):
+    """Writes this process's peak resident memory (ru_maxrss, in bytes) to `<dir>/rank<r>.rss` when training
+    ends: measured by the kernel, whatever the process allocated or mapped on the way."""
+
+    def __init__(self, dir: str):
+        self.dir = Path(dir)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        (self.dir / f"rank{trainer.global_rank}.rss").write_text(str(peak))

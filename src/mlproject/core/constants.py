@@ -1,4 +1,4 @@
-"""Where the project lives, the target value that marks a padded evaluation sample, and exit codes."""
+"""Where the project lives, how a padded evaluation slot is marked, and the exit codes of agreed stops."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CONFIG_DIR = PROJECT_ROOT / "configs"
-IGNORE_INDEX = -100  # target value of padded evaluation samples; losses and metrics skip it
+PAD = -1  # sampler index of a padded evaluation slot: metrics mask it by this index, whatever its target
+IGNORE_INDEX = -100  # target value that losses and metrics skip (metrics put it on padded slots)
 # Exit codes of runs that every rank ends together at an agreed step (cluster/requeue.py); a launcher that
 # sees one from another rank need not stop this rank, which ends the same way.
 EXIT_SIGTERM = 128 + signal.SIGTERM  # stopped on SIGTERM after saving last.ckpt (the shell's code for it)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torchmetrics.classification import MulticlassAccuracy
 
+from mlproject.core.constants import PAD
 from mlproject.distributed.parallel import apply_compile
 from mlproject.models.metrics import ClassificationMetrics
 from mlproject.models.optim import configure
@@ -53,8 +54,8 @@ class Classifier(L.LightningModule):
         self.log("train/acc", self.train_acc)
 
     def _evaluate(self, batch, stage: str, metrics: ClassificationMetrics) -> None:
-        x, y, _ = batch
-        metrics.update(self(x), y)
+        x, y, idx = batch
+        metrics.update(self(x), y, idx != PAD)
         for name, metric in metrics.items().items():
             self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in ("acc", "loss"))
 

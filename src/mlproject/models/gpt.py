@@ -11,7 +11,7 @@ import lightning as L
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from mlproject.core.constants import IGNORE_INDEX
+from mlproject.core.constants import IGNORE_INDEX, PAD
 from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
 from mlproject.models.metrics import LanguageModelMetrics
 from mlproject.models.optim import configure
@@ -49,8 +49,8 @@ class GPTModule(L.LightningModule):
         return loss
 
     def _evaluate(self, batch, stage: str, metrics: LanguageModelMetrics) -> None:
-        x, y, _ = batch
-        metrics.update(self(x), y)
+        x, y, idx = batch
+        metrics.update(self(x), y, idx != PAD)
         for name, metric in metrics.items().items():
             self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "loss")
 

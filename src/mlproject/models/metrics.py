@@ -1,5 +1,6 @@
 """Evaluation metrics as torchmetrics objects: reduced over all ranks by torchmetrics, never averaged
-per rank. Padded samples (target IGNORE_INDEX) are skipped, so N processes report what one would.
+per rank. Padded slots are skipped by their sampler index (the caller passes `valid = idx != PAD`), never
+by their target, so N processes report what one would whatever the targets are.
 
 No update syncs the host with the device: the scores skip their input checks (`validate_args`, which
 call torch.unique; targets come from our own datamodules), and the loss keeps NaNs (see WeightedMean).
@@ -49,10 +50,11 @@ class ClassificationMetrics(nn.Module):
         )
         self.loss, self.samples = WeightedMean(), counter()
 
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Accumulate one batch; returns the batch's mean loss over its real samples."""
+    def update(self, logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Accumulate one batch (`valid`: False on padded slots); returns its mean loss over real samples."""
+        target = target.masked_fill(~valid, IGNORE_INDEX)  # where torchmetrics' scores skip a slot
         losses = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="none")
-        valid = (target != IGNORE_INDEX).float()
+        valid = valid.float()
         self.loss.update(losses.double(), valid.double())
         self.samples.update(valid.sum())
         for metric in self.scores.values():
@@ -72,12 +74,13 @@ class LanguageModelMetrics(nn.Module):
         self.acc = MulticlassAccuracy(num_classes=vocab_size, average="micro", **kw)
         self.loss, self.samples = WeightedMean(), counter()
 
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        """logits (batch, time, vocab), target (batch, time); padded sequences are all IGNORE_INDEX."""
+    def update(self, logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> None:
+        """logits (batch, time, vocab), target (batch, time), valid (batch,): False on padded sequences."""
+        target = target.masked_fill(~valid[:, None], IGNORE_INDEX)
         logits, flat = logits.flatten(0, 1).float(), target.flatten()
         losses = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="none")
         self.loss.update(losses.double(), (flat != IGNORE_INDEX).double())
-        self.samples.update((target != IGNORE_INDEX).any(dim=1).sum())
+        self.samples.update(valid.sum())
         self.acc.update(logits, flat)
 
     def items(self) -> dict[str, Metric]:

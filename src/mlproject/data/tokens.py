@@ -1,0 +1,220 @@
+"""A token corpus larger than memory: text files tokenized once per node into memory-mapped shards.
+
+`prepare_data` (data/preparation.py: local rank 0 of each node, atomically, skipped when the manifest
+matches) tokenizes the files of `source` into `dir`: shards of token ids (`tokens-00000.bin`, ...), the
+BPE tokenizer if any (`tokenizer.json`) and `manifest.json` (input files, token counts, sha256 checksums
+that `sha256sum` can check). Training reads windows through np.memmap: a rank holds only the windows of
+its batch, whatever the size of the corpus.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import hashlib
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from mlproject.core.errors import ConfigError
+from mlproject.data.base import DataModule
+from mlproject.data.preparation import prepare, read_manifest
+
+TOKENIZERS = ("bytes", "bpe")
+CHUNK = 1 << 24  # bytes of text read at a time: about what preparation holds in memory
+FORMAT = 1  # bump when the shard layout changes, so old preparations are redone
+
+
+class ShardWriter:
+    """Appends token ids to files of at most `shard_tokens` ids; records each file's count and sha256."""
+
+    def __init__(self, dir: Path, dtype: str, shard_tokens: int):
+        self.dir, self.dtype, self.shard_tokens = dir, np.dtype(dtype), shard_tokens
+        self.shards: list[dict] = []
+        self.file, self.hash = None, None
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
+        while len(ids):
+            if self.file is None or self.shards[-1]["tokens"] == self.shard_tokens:
+                self._next()
+            part, ids = np.split(ids, [self.shard_tokens - self.shards[-1]["tokens"]])
+            self.file.write(memoryview(part))
+            self.hash.update(memoryview(part))
+            self.shards[-1]["tokens"] += len(part)
+
+    def _next(self) -> None:
+        self.close()
+        self.shards.append({"file": f"tokens-{len(self.shards):05d}.bin", "tokens": 0})
+        # open across many writes; close() ends it
+        self.file, self.hash = open(self.dir / self.shards[-1]["file"], "wb"), hashlib.sha256()  # noqa: SIM115
+
+    def close(self) -> list[dict]:
+        if self.file is not None:
+            self.file.close()
+            self.shards[-1]["sha256"] = self.hash.hexdigest()
+            self.file = None
+        return self.shards
+
+
+def text_chunks(files: list[Path]) -> Iterator[str]:
+    """The corpus as text in pieces of about CHUNK bytes, cut at line ends (a word is never split)."""
+    if not files:  # data.source=null: Python's documentation, as data=text
+        from mlproject.data.text import corpus
+
+        yield corpus()
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            while piece := f.read(CHUNK):
+                yield piece + f.readline()
+
+
+def byte_chunks(files: list[Path]) -> Iterator[np.ndarray]:
+    if not files:
+        yield from (np.frombuffer(text.encode("utf-8"), np.uint8) for text in text_chunks(files))
+    for path in files:
+        with open(path, "rb") as f:
+            while piece := f.read(CHUNK):
+                yield np.frombuffer(piece, np.uint8)
+
+
+def train_bpe(files: list[Path], vocab_size: int):
+    """A byte-level BPE (GPT-2's scheme: any text encodes, no unknown token) trained on the corpus itself."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(text_chunks(files), trainer=trainer)
+    return tokenizer
+
+
+class Windows(Dataset):
+    """Non-overlapping windows `first .. first + count` of block_size + 1 tokens, numbered across shards
+    (a window never spans two): x = window[:-1], y = window[1:].
+
+    Each read maps its shard anew, as nanoGPT does: a mapping kept open would count every page ever read
+    in the process's resident memory, so a long epoch would look like the corpus in memory.
+    """
+
+    def __init__(self, dir: Path, manifest: dict, block_size: int, first: int, count: int):
+        self.paths = [str(dir / s["file"]) for s in manifest["shards"]]
+        self.dtype, self.block_size, self.first, self.count = manifest["dtype"], block_size, first, count
+        self.ends = list(itertools.accumulate((s["tokens"] - 1) // block_size for s in manifest["shards"]))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        j = self.first + i
+        shard = bisect.bisect_right(self.ends, j)
+        start = (j - (self.ends[shard - 1] if shard else 0)) * self.block_size
+        window = np.memmap(self.paths[shard], dtype=self.dtype, mode="r")[start : start + self.block_size + 1]
+        window = torch.from_numpy(window.astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class TokensDataModule(DataModule):
+    """Windows of the prepared corpus split by position: the first part trains, the next validates, the
+    last tests (as data=text)."""
+
+    def __init__(
+        self,
+        dir: str,
+        source: str | None = None,
+        tokenizer: str = "bytes",
+        vocab_size: int = 256,
+        block_size: int = 128,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        shard_tokens: int = 1 << 28,
+        prepare_per_node: bool = True,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ):
+        super().__init__(batch_size, num_workers, pin_memory)
+        self.save_hyperparameters()
+        if tokenizer not in TOKENIZERS:
+            raise ConfigError(f"data.tokenizer={tokenizer} is not one of {', '.join(TOKENIZERS)}")
+        if tokenizer == "bytes" and vocab_size != 256:
+            raise ConfigError(
+                f"data.tokenizer=bytes has 256 token ids, not data.vocab_size={vocab_size}; set it to 256"
+            )
+        self.dir = Path(dir)
+        self.prepare_data_per_node = prepare_per_node  # Lightning's switch: False = global rank 0 prepares
+
+    def files(self) -> list[Path]:
+        """The text files of data.source in name order (the corpus's order); [] for Python's documentation."""
+        if self.hparams.source is None:
+            return []
+        files = sorted(Path(p) for p in glob.glob(self.hparams.source, recursive=True) if Path(p).is_file())
+        if not files:
+            raise ConfigError(f"data.source={self.hparams.source} matches no file; give a glob of text files")
+        return files
+
+    def key(self, files: list[Path]) -> dict:
+        """What the preparation depends on: a change to any input file or setting redoes it."""
+        hp = self.hparams
+        inputs = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+        return {
+            "format": FORMAT,
+            "source": inputs or f"pydoc_data of Python {sys.version.split()[0]}",
+            "tokenizer": hp.tokenizer,
+            "vocab_size": hp.vocab_size,
+            "shard_tokens": hp.shard_tokens,
+        }
+
+    def prepare_data(self) -> None:
+        files = self.files()
+        prepare(self.dir, self.key(files), lambda tmp: self.build(files, tmp))
+
+    def build(self, files: list[Path], tmp: Path) -> dict:
+        hp = self.hparams
+        if hp.tokenizer == "bytes":
+            vocab, chunks = 256, byte_chunks(files)
+        else:
+            bpe = train_bpe(files, hp.vocab_size)
+            bpe.save(str(tmp / "tokenizer.json"))
+            vocab = bpe.get_vocab_size()
+            # each piece's lines encoded on all cores, in order
+            chunks = (
+                np.concatenate([[], *(e.ids for e in bpe.encode_batch(t.splitlines(True)))]) for t in text_chunks(files)
+            )
+        dtype = "uint8" if vocab <= 1 << 8 else "uint16" if vocab <= 1 << 16 else "uint32"
+        writer = ShardWriter(tmp, dtype, hp.shard_tokens)
+        for ids in chunks:
+            writer.write(ids)
+        shards = writer.close()
+        return {
+            "tokenizer": hp.tokenizer,
+            "vocab_size": vocab,
+            "dtype": dtype,
+            "tokens": sum(s["tokens"] for s in shards),
+            "shards": shards,
+        }
+
+    def splits(self):
+        hp, manifest = self.hparams, read_manifest(self.dir)
+        if manifest is None or manifest["key"] != self.key(self.files()):
+            raise ConfigError(f"data.dir={self.dir} holds no preparation of data.source; run mlproject.prepare")
+        n = sum((s["tokens"] - 1) // hp.block_size for s in manifest["shards"])
+        n_val, n_test = int(n * hp.val_fraction), int(n * hp.test_fraction)
+        if min(n_val, n_test, n - n_val - n_test) < 1:
+            raise ConfigError(
+                f"data.val_fraction={hp.val_fraction} and data.test_fraction={hp.test_fraction} of {n} windows of "
+                f"{hp.block_size} tokens leave an empty split; change them or give more text"
+            )
+        n_train = n - n_val - n_test
+        return (
+            Windows(self.dir, manifest, hp.block_size, 0, n_train),
+            Windows(self.dir, manifest, hp.block_size, n_train, n_val),
+            Windows(self.dir, manifest, hp.block_size, n_train + n_val, n_test),
+        )
