@@ -4,7 +4,6 @@ until `make lock` is run."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from packaging.version import Version
 
 from mlproject.core.constants import PROJECT_ROOT
 
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 LOCKS = sorted(PROJECT_ROOT.glob("requirements*.lock"))
 PIN = re.compile(r"^([A-Za-z0-9._-]+)==(\S+)", re.M)
 
