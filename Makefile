@@ -4,12 +4,13 @@ SHELL := /bin/bash
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The torch build installed before the package. The default is the CPU wheel of this release where
-# your pip finds one; for CUDA use e.g.
-#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
-# and for the CPU build on a machine whose pip defaults to CUDA:
-#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
-TORCH       ?= torch==2.13.0
+# `make install` installs exactly what LOCK pins, each file checked against its hash. `make lock` remakes
+# LOCK from pyproject.toml's ranges, with torch pinned to the build TORCH names, found where your pip finds
+# it or on TORCH_INDEX (then written into the lock, so installing needs no flag). For CUDA, a lock of its own:
+#   make lock LOCK=requirements-cu128.lock TORCH=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#   make install LOCK=requirements-cu128.lock
+LOCK        ?= requirements.lock
+TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 ARGS   ?=
 CKPT   ?=
@@ -17,25 +18,32 @@ OUT    ?= model.pt
 # `make train trainer.max_epochs=3` works too: command-line variables that are not ours are Hydra overrides,
 # passed on in their order (MAKEOVERRIDES lists them last first), each quoted for the shell. MAKEOVERRIDES
 # itself escapes spaces its own way, which split `ARGS="a=1 b=2 c=3"` wrongly; the shell splits ARGS.
-OURS      = VENV TORCH TORCH_INDEX ARGS CKPT OUT NAME EXAMPLES
+OURS      = VENV LOCK TORCH TORCH_INDEX ARGS CKPT OUT NAME EXAMPLES
 quote     = '$(subst ','\'',$(1))'
 reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
 OVERRIDES = $(foreach v,$(CLI_NAMES),$(if $(filter command line,$(origin $(v))),$(call quote,$(v)=$(value $(v))))) $(ARGS)
 
-.PHONY: help install train eval export test test-fast test-gpu lint format clean
+.PHONY: help install lock train eval export test test-fast test-gpu lint format clean
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --require-hashes -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(VENV)/.installed ## create .venv and install the package with its dev extras (idempotent)
+install: $(VENV)/.installed ## create .venv and install the locked dependencies and the package (idempotent)
+
+# uv reads no pip configuration: pip's find-links (a folder of local wheels, as this template's CI keeps
+# torch in) are passed on, so the lock pins the files pip installs. The lock is for this Python version.
+lock: ## pin every dependency with its hashes into requirements.lock (LOCK, TORCH, TORCH_INDEX: see above)
+	test -x $(VENV)/bin/uv || $(MAKE) install LOCK=requirements.lock  # uv comes with the dev extra
+	echo '$(TORCH)' | $(VENV)/bin/uv pip compile pyproject.toml - --extra dev --generate-hashes --quiet \
+	  --python $(PY) --custom-compile-command "make lock" -o $(LOCK) \
+	  $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --emit-index-url)
 
 train: install ## train the default experiment; overrides: make train ARGS="trainer.max_epochs=3" (or bare)
 	$(PY) -m mlproject.train $(OVERRIDES)

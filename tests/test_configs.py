@@ -46,7 +46,7 @@ def test_option_composes_and_instantiates(compose_cfg, group, option, monkeypatc
     loggers = instantiate_all(cfg, "logger")
     assert len(callbacks) == len([c for c in (cfg.get("callbacks") or {}).values() if "_target_" in c])
     if group == "logger":
-        assert len(loggers) == (3 if option == "many" else 1)
+        assert len(loggers) == (4 if option == "many" else 1)  # many: csv, tensorboard, wandb, mlflow
     trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),

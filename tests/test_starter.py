@@ -121,6 +121,10 @@ def test_copier_renames_everything(copier_project):
     assert "COOL_NET_RUN_ID" in (root / "src/cool_net/core/resolvers.py").read_text()
     assert "project: cool_net" in (root / "configs/logger/wandb.yaml").read_text()
     assert "-m cool_net.train" in (root / "Makefile").read_text()
+    # The locked install, its target and the CI workflow come along (copier update keeps them current).
+    assert "cool_net (pyproject.toml)" in (root / "requirements.lock").read_text()
+    assert "\nlock: " in (root / "Makefile").read_text()
+    assert (root / ".github/workflows/ci.yml").read_bytes() == (PROJECT_ROOT / ".github/workflows/ci.yml").read_bytes()
 
 
 @pytest.mark.slow

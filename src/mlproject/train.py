@@ -26,7 +26,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from mlproject.checkpoint.storage import PortableCheckpointIO
     from mlproject.utils.loggers import finish_loggers
     from mlproject.utils.rank_logging import get_logger
-    from mlproject.utils.report import apply_extras, log_hyperparameters, print_summary, write_metrics
+    from mlproject.utils.report import apply_extras, log_hyperparameters, log_outcome, print_summary, write_metrics
 
     log = get_logger(__name__)
     apply_extras(cfg)
@@ -54,15 +54,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
             ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = dict(trainer.callback_metrics)
+    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     if cfg.test:
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
         metrics.update(trainer.callback_metrics)
 
-    # 4. report: metrics.json in the run directory and a table
+    # 4. report: metrics.json in the run directory, a table, and the outcome to every logger
     write_metrics(metrics, cfg.paths.output_dir)
     final = {k: float(v) for k, v in sorted(metrics.items())}
     print_summary({k: v for k, v in final.items() if k.startswith(("val/", "test/"))}, cfg.paths.output_dir)
+    log_outcome(cfg, trainer, final, best)
     finish_loggers(trainer.loggers)
     return final
 

@@ -6,11 +6,14 @@ import csv
 import netrc
 import os
 
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers.logger import DummyLogger, rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
 
-from mlproject.utils.rank_logging import get_logger
+from mlproject.utils.rank_logging import get_logger, rank
 
 log = get_logger(__name__)
 
@@ -55,12 +58,68 @@ def wandb_logger(offline: bool | None = None, id: str | None = None, name: str |
     return WandbLogger(offline=offline, resume="allow", id=id, name=name, **kwargs)
 
 
+def mlflow_logger(
+    tracking_uri: str,
+    run_name: str,
+    tags: list[str] | tuple[str, ...] = (),
+    **kwargs,
+):
+    """An MLFlowLogger that continues its MLflow run when the training run resumes.
+
+    MLflow makes its own run ids, so the run is found again by its name (task name + run id, `-<trial>` in a
+    sweep, as for W&B). The tags are labels, as in W&B. Only rank 0 opens the store: MLflow's client opens
+    it when made (a new SQLite store is created then, which ranks racing each other would break); the other
+    ranks get a logger that logs nothing, as Lightning's loggers do there.
+    """
+    if rank() != 0:
+        return DummyLogger()
+    trial = sweep_trial()
+    if trial is not None:
+        run_name = f"{run_name}-{trial}"
+    if tracking_uri.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(tracking_uri.removeprefix("sqlite:///")), exist_ok=True)
+    return ResumingMLFlowLogger(
+        tracking_uri=tracking_uri, run_name=run_name, tags={tag: "true" for tag in tags}, **kwargs
+    )
+
+
+class ResumingMLFlowLogger(MLFlowLogger):
+    """Lightning's MLFlowLogger, finding its run again by name (MLflow makes its own run ids)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if not self._initialized and self._run_id is None:
+            self._run_id = _find_mlflow_run(self._mlflow_client, self._experiment_name, self._run_name)
+        return super().experiment
+
+    @rank_zero_only
+    def log_hyperparams(self, params) -> None:
+        # MLflow refuses to change a logged parameter: a resumed run keeps its first values (the resumed
+        # config, ckpt_path=auto and all, is in the run directory).
+        params = _flatten_dict(_convert_params(params))
+        logged = self.experiment.get_run(self.run_id).data.params
+        super().log_hyperparams({k: v for k, v in params.items() if k not in logged})
+
+
+def _find_mlflow_run(client, experiment_name: str, run_name: str) -> str | None:
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return None
+    runs = client.search_runs(
+        [experiment.experiment_id], filter_string=f"attributes.run_name = '{run_name}'", max_results=1
+    )
+    return runs[0].info.run_id if runs else None
+
+
 def finish_loggers(loggers) -> None:
     """End the loggers' runs now, not at interpreter exit: the next trial of a sweep runs in this process
-    and would otherwise log into this trial's W&B run."""
+    and would otherwise log into this trial's W&B run. Lightning finalized them after fit and test already;
+    again here, since the run's outcome (report.log_outcome) came after."""
     from lightning.pytorch.loggers import WandbLogger
 
     for logger in loggers:
+        logger.finalize("success")
         if isinstance(logger, WandbLogger) and logger._experiment is not None:
             logger._experiment.finish()
 

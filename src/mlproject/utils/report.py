@@ -47,6 +47,29 @@ def log_hyperparameters(cfg: DictConfig, model, trainer) -> None:
         logger.log_hyperparams(hparams)
 
 
+def log_outcome(cfg: DictConfig, trainer, metrics: dict[str, float], best_checkpoint: str) -> None:
+    """The run's outcome to every logger, each in the form it shows: the best checkpoint's path, and the
+    final test metrics. Lightning logged those as metrics during test; TensorBoard also gets them beside the
+    config, for its HParams view. Rank 0: the loggers write there."""
+    if rank() != 0 or not trainer.loggers:
+        return
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    test = {k: v for k, v in metrics.items() if k.startswith("test/")}
+    best = {"best_checkpoint": best_checkpoint} if best_checkpoint else {}
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):  # parameters cannot change, tags can (a resumed run's best moves)
+            for key, value in best.items():
+                logger.experiment.set_tag(logger.run_id, key, value)
+        elif isinstance(logger, WandbLogger):
+            logger.experiment.summary.update(best)
+        elif isinstance(logger, TensorBoardLogger):
+            hparams = OmegaConf.to_container(cfg, resolve=True)
+            logger.log_hyperparams({**hparams, **best}, metrics=test, step=trainer.global_step)
+        else:  # csv: beside the config in hparams.yaml
+            logger.log_hyperparams(best)
+
+
 def write_metrics(metrics: dict, run_dir: str | Path, prefix: str = "test/") -> dict[str, float]:
     """Write `metrics.json` (name -> float) in the run directory; rank 0 writes, atomically."""
     values = {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(prefix)}

@@ -1,0 +1,110 @@
+"""Every logger gets the same things: the resolved config, the tags, the final test metrics and the best
+checkpoint's path. Each is read back with its own reader (wandb offline, MLflow through its client)."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.processes import read_metrics, run
+from tests.helpers.wandb_records import records
+
+RUN = ["extras.print_config=false", "trainer=cpu", "debug=limit", "trainer.max_epochs=1", "tags=[dev,every]"]
+
+
+def read_csv(run_dir: Path) -> dict:
+    from lightning.pytorch.core.saving import load_hparams_from_yaml
+
+    hparams = load_hparams_from_yaml(run_dir / "csv" / "hparams.yaml")
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        test_acc = [float(row["test/acc"]) for row in csv.DictReader(f) if row["test/acc"]]
+    return {"seed": hparams["seed"], "tags": hparams["tags"], "test/acc": test_acc[-1], **best(hparams)}
+
+
+def read_tensorboard(run_dir: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    (content,) = [c for tag, c in events.PluginTagToContent("hparams").items() if "session_start_info" in tag]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams  # name -> protobuf Value
+    return {
+        "seed": hparams["seed"].number_value,
+        "tags": ast.literal_eval(hparams["tags"].string_value),
+        "test/acc": events.Scalars("test/acc")[-1].value,
+        "best_checkpoint": hparams["best_checkpoint"].string_value,
+    }
+
+
+def read_wandb(run_dir: Path) -> dict:
+    (path,) = run_dir.glob("wandb/offline-run-*/*.wandb")
+    config, summary, tags, history = {}, {}, None, {}
+    for record in records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            tags = list(record.run.tags)
+        elif kind in ("config", "summary"):
+            target = config if kind == "config" else summary
+            target.update({key(u): json.loads(u.value_json) for u in getattr(record, kind).update})
+        elif kind == "history":
+            history.update({key(i): json.loads(i.value_json) for i in record.history.item})
+    return {"seed": config["seed"], "tags": tags, "test/acc": history["test/acc"], **best(summary)}
+
+
+def key(item) -> str:
+    return item.key or "/".join(item.nested_key)  # W&B sends "test/acc" in either form
+
+
+def read_mlflow(run_dir: Path) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow/mlflow.db")
+    (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    data = found.data
+    assert found.info.status == "FINISHED"
+    return {
+        "seed": int(data.params["seed"]),
+        "tags": sorted(k for k, v in data.tags.items() if v == "true"),
+        "test/acc": client.get_metric_history(found.info.run_id, "test/acc")[-1].value,
+        **best(data.tags),
+    }
+
+
+def best(where: dict) -> dict:
+    return {"best_checkpoint": where.get("best_checkpoint")}
+
+
+READERS = {"csv": read_csv, "tensorboard": read_tensorboard, "wandb": read_wandb, "mlflow": read_mlflow}
+
+
+@pytest.mark.slow
+def test_every_logger_gets_config_tags_test_metrics_and_best_checkpoint(tmp_path):
+    run("train", *RUN, "logger=many", "run_id=every", log_dir=tmp_path)
+    run_dir = tmp_path / "debug" / "runs" / "every"
+    (best_ckpt,) = (run_dir / "checkpoints").glob("epoch_*.ckpt")
+    expected = {
+        "seed": 42,
+        "tags": ["dev", "every"],
+        "test/acc": pytest.approx(read_metrics(run_dir)["test/acc"], abs=1e-6),
+        "best_checkpoint": str(best_ckpt),
+    }
+    assert {name: read(run_dir) for name, read in READERS.items()} == dict.fromkeys(READERS, expected)
+
+
+@pytest.mark.slow
+def test_mlflow_run_continues_when_training_resumes(tmp_path):
+    """One MLflow run for the training run, found again by its name after a resume (MLflow makes its own ids)."""
+    run("train", *RUN, "logger=mlflow", "run_id=again", log_dir=tmp_path)
+    run("train", *RUN, "logger=mlflow", "run_id=again", "ckpt_path=auto", "trainer.max_epochs=2", log_dir=tmp_path)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/debug/runs/again/mlflow/mlflow.db")
+    (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert found.info.run_name == "debug-again"
+    epochs = [m.value for m in client.get_metric_history(found.info.run_id, "epoch")]
+    assert {0, 1} <= set(epochs)  # both runs' epochs, in the one MLflow run
