@@ -44,7 +44,7 @@ class Example:
 
 
 # Tests that prove a feature on both examples go with either (they import both examples' test helpers).
-BOTH = ("tests/distributed/test_bf16.py", "tests/gpu/test_gpu.py")
+BOTH = ("tests/distributed/test_bf16.py", "tests/gpu/test_gpu.py", "tests/test_plan.py")
 # Add an example's files here when you add them, so that dropping the example drops them too
 # (tests/test_starter.py fails when a kept file still imports a dropped module).
 EXAMPLES = {
@@ -64,7 +64,6 @@ EXAMPLES = {
             "tests/distributed/test_exact_eval.py",  # exact evaluation, proven on digits splits
             "tests/distributed/eval_worker.py",
             "tests/distributed/conftest.py",  # strategies against a single process, on the digits CNN
-            "tests/distributed/steps.py",
             "tests/distributed/test_ddp.py",
             "tests/distributed/test_deepspeed.py",
             "scripts/bench.py",  # template vs plain loop on the digits CNN
@@ -98,7 +97,10 @@ EXAMPLES = {
             "configs/experiment/gpt*.yaml",
             "tests/**/test_*gpt*.py",
             "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
-            "tests/distributed/recorder.py",
+            "tests/distributed/test_collectives.py",  # per-step collectives counted under ddp and fsdp (GPT)
+            "tests/distributed/test_ema.py",  # EMA under fsdp, on the GPT
+            "tests/test_compile.py",  # compile per block under fsdp, on the GPT
+            "tests/test_throughput.py",  # tokens/s and MFU of the GPT
             "tests/checkpoint/test_sharded.py",  # sharded (FSDP) checkpoints, on the GPT
             "notebooks/*gpt*",
             *BOTH,

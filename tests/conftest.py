@@ -35,3 +35,15 @@ def trained_run(tmp_path_factory) -> Path:
     run("train", *FAST, "trainer.max_epochs=3", log_dir=log_dir)
     (run_dir,) = run_dirs(log_dir)
     return run_dir
+
+
+@pytest.fixture
+def no_sbatch(monkeypatch):
+    """Fail the test if submit gets as far as running sbatch."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"submitted: {args}")
+
+    from mlproject import submit
+
+    monkeypatch.setattr(submit.subprocess, "run", refuse)

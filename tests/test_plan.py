@@ -15,6 +15,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from mlproject import plan as planner
+from mlproject import submit
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.topology import Topology
 
@@ -93,3 +94,14 @@ def test_plan_prints_the_table(capsys):
     assert planner.main([*GPT_85M, *world(8), "cluster.gpu_memory_gb=1.5"]) == 0
     out = capsys.readouterr().out
     assert "per rank of 8; 1.50 GiB per device" in out and "fsdp <- use" in out
+
+
+def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
+    # ~85M parameters: DDP needs 1.3 GiB of model states per GPU, FSDP over 32 GPUs 1/32 of that
+    big = ["model=gpt", "data=text", "model.net.n_layer=12", "model.net.n_embd=768", "data.block_size=64"]
+    gpus = ["cluster.nodes=4", "cluster.gpus_per_node=8", "trainer=gpu", "strategy=ddp"]
+    too_small = [*gpus, *big, "data.batch_size=32", "cluster.gpu_memory_gb=1"]
+    assert submit.main(["--dry-run", *too_small]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: strategy=ddp needs" in err and "use strategy=fsdp" in err, err
+    assert submit.main(["--dry-run", "--no-plan", *too_small]) == 0  # the flag skips the plan
