@@ -37,9 +37,29 @@ CASES = {
     "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
     "unsynced monitor": (["callbacks.model_checkpoint.monitor=train/loss"], "not synced across ranks"),
     "group set to null": (["logger=null"], "use ~<group>, e.g. ~logger"),
+    "replicas that do not divide": (
+        ["strategy=hsdp", "trainer.devices=3", "strategy.replicate_size=2"],
+        "strategy.replicate_size=2 must divide the data-parallel size 3",
+    ),
+    "expert groups that do not divide": (
+        ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2", "strategy.expert_parallel_size=4"],
+        "strategy.expert_parallel_size=4 must divide the shard size 2",
+    ),
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
-    CASES["fsdp without configure_model"] = (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp")
+    CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
+if (CONFIG_DIR / "model/gpt_moe.yaml").exists():
+    CASES["experts that do not divide"] = (
+        [
+            "model=gpt_moe",
+            "data=text",
+            "strategy=fsdp",
+            "trainer.devices=3",
+            "strategy.expert_parallel_size=3",
+            "data.batch_size=3",
+        ],
+        "model.net.n_expert=4 must divide by strategy.expert_parallel_size=3",
+    )
 OTHER_DATA = sorted({p.stem for p in CONFIG_DIR.glob("data/*.yaml")} - {DATA})
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
     CASES["data does not fit the model"] = (
