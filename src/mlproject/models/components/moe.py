@@ -38,6 +38,13 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _tokens_per_expert(chosen: torch.Tensor, n_expert: int) -> torch.Tensor:
+    if chosen.is_meta:  # the memory planner (plan.py) runs without data: it plans for an even load
+        base, extra = divmod(chosen.numel(), n_expert)
+        return torch.tensor([base + (e < extra) for e in range(n_expert)])
+    return torch.bincount(chosen.flatten(), minlength=n_expert)
+
+
 class Experts(nn.Module):
     """n_expert two-layer GELU MLPs, each weight stacked over experts (dim 0), so that expert parallelism splits
     them by expert (distributed/parallel.apply_ep). With `ep_group` set, each expert lives on one rank of the
@@ -107,7 +114,7 @@ class MoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         # (token, slot) pairs sorted by expert: each expert runs once on a contiguous block of rows
         order = chosen.flatten().argsort(stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=probs.size(-1))
+        counts = _tokens_per_expert(chosen, probs.size(-1))
         y = self.experts(x[order // k], counts)
         y = torch.empty_like(y).index_copy_(0, order, y).view(-1, k, shape[-1])  # back to (token, slot) order
         out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
@@ -116,7 +123,7 @@ class MoE(nn.Module):
         return self.dropout(out.view(shape))
 
     def _router_stats(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> dict:
-        load = counts.float()
+        load = counts.to(probs.device, torch.float32)
         if self.batch_group is not None:
             dist.all_reduce(load, group=self.batch_group)  # counts only: no gradient flows through f_e
         load = load / load.sum()
