@@ -5,7 +5,7 @@ meta device (no memory, no weights), sharded by its own configure_model on a fak
 world size (torch's "fake" backend: collectives return at once, so 512 ranks take seconds), and given one
 AdamW step so the optimizer state exists. What one rank then holds is counted the way the footprint line
 counts it in a real run. DeepSpeed layouts use DeepSpeed's own estimators. The cheapest layout that fits the
-device memory is recommended: DDP, else FSDP (or ZeRO-2), else FSDP x TP, else ZeRO-3, else ZeRO-3 + offload.
+device memory is recommended: DDP, else HSDP (several nodes), else FSDP, else FSDP x TP, else ZeRO-3 + offload.
 """
 
 from __future__ import annotations
