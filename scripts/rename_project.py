@@ -64,6 +64,7 @@ EXAMPLES = {
             "tests/distributed/steps.py",
             "tests/distributed/test_ddp.py",
             "tests/distributed/test_deepspeed.py",
+            "tests/distributed/test_fsdp_any_model.py",  # FSDP/HSDP without a plan, with SyncBN, on the digits CNN
             "scripts/bench.py",  # template vs plain loop on the digits CNN
             "notebooks/inspect_run.ipynb",  # confusion matrix of a classifier run
             "tests/test_notebook.py",
@@ -86,12 +87,15 @@ EXAMPLES = {
         paths=(
             "src/{pkg}/models/gpt.py",
             "src/{pkg}/models/components/gpt.py",
+            "src/{pkg}/models/components/moe.py",  # model=gpt_moe's experts
             "src/{pkg}/data/text.py",
             "configs/data/text.yaml",
             "configs/model/gpt*.yaml",
             "configs/experiment/gpt*.yaml",
             "tests/**/test_*gpt*.py",
             "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
+            "tests/distributed/test_moe.py",  # MoE and expert parallelism against a single process
+            "tests/test_moe.py",
             "tests/distributed/recorder.py",
             "tests/checkpoint/test_sharded.py",  # sharded (FSDP) checkpoints, on the GPT
             "notebooks/*gpt*",
