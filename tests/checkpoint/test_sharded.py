@@ -148,8 +148,8 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
     """The MoE GPT with its experts split over 2 ranks (EP 2, FSDP on the dense part) checkpoints after epoch
     2; from there it resumes as HSDP 2 x 2 with EP 2 on 4 processes, as plain FSDP (each rank all experts,
     sharded) on 2, and into one process, from HSDP's own mid-epoch checkpoint. Each run ends where the
-    straight run does, up to the order of reductions (MOE_CLOSE), and the EP x HSDP checkpoint exports to
-    one plain state dict of the bare network."""
+    straight run does, up to the order of reductions (measured <= 2.4e-7), and the EP x HSDP checkpoint
+    exports to one plain state dict of the bare network."""
     moe = [*GPT, "experiment=gpt_moe"]
     ep2 = [*moe, *strategy("fsdp", 2), "strategy.expert_parallel_size=2"]
     train(tmp_path, "straight", *ep2)
@@ -169,10 +169,6 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
     train(tmp_path, "fsdp", *moe, *strategy("fsdp", 2), f"ckpt_path={epoch2}")
     diffs["ep 2 -> fsdp 2 (ep 1)"] = max_diff(straight, weights(last(tmp_path, "fsdp")))
     print("max |param - straight run's|:", diffs)
-    assert all(d < MOE_CLOSE for d in diffs.values()), diffs
+    assert all(d < CLOSE for d in diffs.values()), diffs
     assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))
 
-
-# A near-tie between two experts may route a token differently after a rounding-level difference, and Adam
-# turns the near-zero gradients of rarely used expert weights into steps of ~lr: wider than dense CLOSE.
-MOE_CLOSE = 1e-4
