@@ -171,4 +171,3 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
     print("max |param - straight run's|:", diffs)
     assert all(d < CLOSE for d in diffs.values()), diffs
     assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))
-
