@@ -48,18 +48,6 @@ CASES = {
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
     CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
-if (CONFIG_DIR / "model/gpt_moe.yaml").exists():
-    CASES["experts that do not divide"] = (
-        [
-            "model=gpt_moe",
-            "data=text",
-            "strategy=fsdp",
-            "trainer.devices=3",
-            "strategy.expert_parallel_size=3",
-            "data.batch_size=3",
-        ],
-        "model.net.n_expert=4 must divide by strategy.expert_parallel_size=3",
-    )
 OTHER_DATA = sorted({p.stem for p in CONFIG_DIR.glob("data/*.yaml")} - {DATA})
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
     CASES["data does not fit the model"] = (

@@ -73,6 +73,19 @@ def test_corpus_is_fixed_and_round_trips():
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=4"], "use strategy=fsdp_tp"),
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=3", "strategy.tensor_parallel_size=3"], "n_head"),
         (["model=gpt", "data=text", "strategy=fsdp", "strategy.fsdp.cpu_offload=true"], "without a GPU"),
+        (
+            ["model=gpt_moe", "data=text", "strategy=fsdp", "trainer.devices=3", "strategy.expert_parallel_size=3"]
+            + ["data.batch_size=3"],
+            "model.net.n_expert=4 must divide by strategy.expert_parallel_size=3",
+        ),
+        (
+            ["model=gpt", "data=text", "strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
+            "needs a mixture-of-experts",
+        ),
+        (
+            ["model=gpt_moe", "data=text", "strategy=fsdp_tp", "trainer.devices=4", "strategy.expert_parallel_size=2"],
+            "needs strategy=fsdp or hsdp",
+        ),
     ],
 )
 def test_preflight_refuses_impossible_model_parallel(compose_cfg, overrides, error):
