@@ -1,4 +1,4 @@
-"""A mixture-of-experts GPT trains the same on one process, under FSDP, and with its experts split over
+"""A mixture-of-experts GPT trains the same on one process, under DDP and FSDP, and with its experts split over
 processes (expert parallelism: tokens travel to their expert's rank and back by all-to-all), alone and
 composed with FSDP.
 
@@ -18,6 +18,7 @@ from tests.distributed.test_model_parallel import LOSS_RTOL, PARAM_ATOL, TINY, Z
 MOE = [*TINY, "model=gpt_moe"]
 STRATEGIES = {
     "single": ["strategy=single"],
+    "ddp": ["strategy=ddp", "trainer.devices=2"],  # expert loads summed over the world
     "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "ep2": ["strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
     "ep2_fsdp2": ["strategy=fsdp", "trainer.devices=4", "strategy.expert_parallel_size=2"],
