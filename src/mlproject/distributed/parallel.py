@@ -13,7 +13,6 @@ A model without a plan is sharded as one FSDP unit.
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 
 import torch
@@ -90,21 +89,33 @@ class ModelParallel(ModelParallelStrategy):
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
-        # A full checkpoint (single, ddp, or a DeepSpeed directory converted) keys optimizer state by position,
-        # which Lightning maps to parameters in module order; re-key it by name in the optimizers' own order
-        # first (checkpoint/convert.py).
+        """Each rank reads what it will hold, where the format allows. A sharded directory: DCP reshards it
+        (Lightning's load). A full file (single, ddp) is memory-mapped, not read: each rank copies its own shard
+        of every tensor out of it, except that torch's optimizer loader gathers the present optimizer state in
+        full on rank 0 (measured: rank 0 holds the full state once more, the others their share). Its optimizer
+        state is keyed by position, which Lightning maps to parameters in module order: it is re-keyed by name
+        in the optimizers' own order first (checkpoint/convert.py). A DeepSpeed directory is converted in full
+        on every rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         from mlproject.checkpoint.convert import checkpoint_format, load_full, name_optimizer_states
 
         path = Path(self.broadcast(checkpoint_path))
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
-        checkpoint = load_full(path)
-        if self.optimizers:
-            name_optimizer_states(checkpoint, self.model, self.optimizers)
-        with tempfile.TemporaryDirectory() as tmp:
-            torch.save(checkpoint, Path(tmp) / path.name)
-            return super().load_checkpoint(Path(tmp) / path.name, weights_only)
+        mapped = path.is_file()
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False) if mapped else load_full(path)
+        name_optimizer_states(checkpoint, self.model, self.optimizers)
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
     def setup(self, trainer) -> None:
         # Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be silently ignored.
