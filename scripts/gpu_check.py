@@ -39,6 +39,7 @@ STRATEGIES = [
     "deepspeed_stage_3",
     "deepspeed_stage_3_offload",
     "fsdp",
+    "hsdp",
     "tp",
     "fsdp_tp",
 ]
@@ -100,6 +101,8 @@ def rows_to_run(args, devices: int) -> list[tuple[str, list[str]]]:
         overrides = [f"strategy={strategy}", f"trainer.devices={1 if strategy == 'single' else devices}", *shape]
         if strategy == "tp" or strategy == "fsdp_tp":
             overrides += [f"strategy.tensor_parallel_size={devices if strategy == 'tp' else max(1, devices // 2)}"]
+        if strategy == "hsdp":  # one machine: two replicas of a shard over half of its GPUs
+            overrides += [f"strategy.replicate_size={2 if devices % 2 == 0 else 1}"]
         rows.append((strategy, overrides))
     return rows
 

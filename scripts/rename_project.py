@@ -66,6 +66,7 @@ EXAMPLES = {
             "tests/distributed/conftest.py",  # strategies against a single process, on the digits CNN
             "tests/distributed/test_ddp.py",
             "tests/distributed/test_deepspeed.py",
+            "tests/distributed/test_fsdp_any_model.py",  # FSDP/HSDP without a plan, with SyncBN, on the digits CNN
             "scripts/bench.py",  # template vs plain loop on the digits CNN
             "notebooks/inspect_run.ipynb",  # confusion matrix of a classifier run
             "tests/test_notebook.py",
@@ -88,6 +89,7 @@ EXAMPLES = {
         paths=(
             "src/{pkg}/models/gpt.py",
             "src/{pkg}/models/components/gpt.py",
+            "src/{pkg}/models/components/moe.py",  # model=gpt_moe's experts
             "src/{pkg}/data/text.py",
             "src/{pkg}/data/tokens.py",  # a token corpus on disk, for the GPT
             "configs/data/text.yaml",
@@ -101,7 +103,10 @@ EXAMPLES = {
             "tests/distributed/test_ema.py",  # EMA under fsdp, on the GPT
             "tests/test_compile.py",  # compile per block under fsdp, on the GPT
             "tests/test_throughput.py",  # tokens/s and MFU of the GPT
+            "tests/distributed/test_moe.py",  # MoE and expert parallelism against a single process
+            "tests/test_moe.py",
             "tests/checkpoint/test_sharded.py",  # sharded (FSDP) checkpoints, on the GPT
+            "tests/checkpoint/test_reshard_memory.py",  # what each rank reads when resuming, on a larger GPT
             "notebooks/*gpt*",
             *BOTH,
         ),

@@ -42,10 +42,19 @@ CASES = {
     "learning rate zero": (["model.optimizer.lr=0"], "model.optimizer.lr=0 is out of range: it must be > 0"),
     "dropout above one": (["model.net.dropout=1.5"], "model.net.dropout=1.5 is out of range: it must be >= 0 and <= 1"),
     "no signal checks": (["cluster.signal_check_every_n_steps=0"], "it must be >= 1"),
+    "replicas that do not divide": (
+        ["strategy=hsdp", "trainer.devices=3", "strategy.replicate_size=2"],
+        "strategy.replicate_size=2 must divide the data-parallel size 3",
+    ),
+    "expert groups that do not divide": (
+        ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2", "strategy.expert_parallel_size=4"],
+        "strategy.expert_parallel_size=4 must divide the shard size 2",
+    ),
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
-    CASES["fsdp without configure_model"] = (["strategy=fsdp", "trainer.devices=2"], "has none; use strategy=ddp")
-OTHER_DATA = sorted({p.stem for p in CONFIG_DIR.glob("data/*.yaml")} - {DATA})
+    CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
+# the other example's data (images suit the digits model and tokens the GPT, so neither can be the mismatch)
+OTHER_DATA = [d for d in ("text", "digits") if d != DATA and (CONFIG_DIR / f"data/{d}.yaml").exists()]
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
     CASES["data does not fit the model"] = (
         [f"data={OTHER_DATA[0]}", "+trainer.limit_train_batches=1"],

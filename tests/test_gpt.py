@@ -73,6 +73,19 @@ def test_corpus_is_fixed_and_round_trips():
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=4"], "use strategy=fsdp_tp"),
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=3", "strategy.tensor_parallel_size=3"], "n_head"),
         (["model=gpt", "data=text", "strategy=fsdp", "strategy.fsdp.cpu_offload=true"], "without a GPU"),
+        (
+            ["model=gpt_moe", "data=text", "strategy=fsdp", "trainer.devices=3", "strategy.expert_parallel_size=3"]
+            + ["data.batch_size=3"],
+            "model.net.n_expert=4 must divide by strategy.expert_parallel_size=3",
+        ),
+        (
+            ["model=gpt", "data=text", "strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
+            "needs a mixture-of-experts",
+        ),
+        (
+            ["model=gpt_moe", "data=text", "strategy=fsdp_tp", "trainer.devices=4", "strategy.expert_parallel_size=2"],
+            "needs strategy=fsdp or hsdp",
+        ),
     ],
 )
 def test_preflight_refuses_impossible_model_parallel(compose_cfg, overrides, error):
@@ -87,3 +100,14 @@ def test_global_batch_divides_over_data_parallel_ranks_only(compose_cfg):
     with open_dict(cfg):
         cfg.strategy.tensor_parallel_size = 4
     assert Topology.of(cfg).data_parallel_size == 1
+
+
+def test_the_mesh_is_named_by_the_strategy_config(compose_cfg):
+    """8 processes on 2 nodes: hsdp replicates across the nodes (replicate_size defaults to num_nodes), shards
+    over each node's 4, and expert parallelism takes the inner 2 of each shard group."""
+    moe = ["model=gpt_moe", "data=text", "trainer.accelerator=cpu", "trainer.devices=4", "trainer.num_nodes=2"]
+    topology = Topology.of(compose_cfg(*moe, "strategy=hsdp", "strategy.expert_parallel_size=2")).validate()
+    assert topology.strategy == "hsdp" and topology.shard_size == 4 and topology.data_parallel_size == 8
+    assert topology.mesh_dims == {"replicate": 2, "expert_shard": 2, "expert_parallel": 2, "tensor_parallel": 1}
+    fsdp = Topology.of(compose_cfg(*moe, "strategy=fsdp")).validate()
+    assert fsdp.strategy == "fsdp" and fsdp.mesh_dims["replicate"] == 1 and fsdp.shard_size == 8

@@ -5,7 +5,7 @@ meta device (no memory, no weights), sharded by its own configure_model on a fak
 world size (torch's "fake" backend: collectives return at once, so 512 ranks take seconds), and given one
 AdamW step so the optimizer state exists. What one rank then holds is counted the way the footprint line
 counts it in a real run. DeepSpeed layouts use DeepSpeed's own estimators. The cheapest layout that fits the
-device memory is recommended: DDP, else FSDP (or ZeRO-2), else FSDP x TP, else ZeRO-3, else ZeRO-3 + offload.
+device memory is recommended: DDP, else HSDP (several nodes), else FSDP, else FSDP x TP, else ZeRO-3 + offload.
 """
 
 from __future__ import annotations
@@ -69,26 +69,21 @@ def meta_model(cfg: DictConfig):
     return model.to(dtype) if dtype else model
 
 
-def _mesh(topology: Topology):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (topology.data_parallel_size, topology.tensor_parallel_size)
-    return init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
-
-
 def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes on this rank under a torch strategy (single, ddp, fsdp, tp,
-    fsdp_tp): DDP replicates, model-parallel layouts run the model's configure_model on the target mesh."""
+    fsdp_tp, hsdp, expert parallel): DDP replicates, model-parallel layouts run the model's configure_model on
+    the target mesh."""
     import torch
     from hydra.utils import instantiate
 
-    from mlproject.distributed.parallel import local_bytes
+    from mlproject.distributed.parallel import local_bytes, named_meshes
 
     model = meta_model(cfg)
     if topology.model_parallel:
-        # configure_model asks the trainer for its strategy and the module for the mesh, nothing more
-        model.trainer = SimpleNamespace(strategy=instantiate(cfg.strategy))
-        model._device_mesh = _mesh(topology)
+        # configure_model asks the trainer for its strategy and the strategy for its meshes, nothing more
+        strategy = instantiate(cfg.strategy)
+        strategy.meshes = named_meshes(topology, "cpu")
+        model.trainer = SimpleNamespace(strategy=strategy)
         model.configure_model()
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -107,14 +102,14 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
     from hydra.utils import instantiate
     from torchmetrics import Metric
 
-    from mlproject.distributed.parallel import apply_ac, apply_tp
+    from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
 
     model = meta_model(cfg)
     plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
     if topology.tensor_parallel_size > 1:
-        apply_tp(model, _mesh(topology)["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
+        apply_tp(model, named_meshes(topology, "cpu")["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
     if fsdp.get("activation_checkpointing"):
-        apply_ac(model, plan.blocks)
+        apply_ac(model, plan.get("blocks", []))
     for metric in model.modules():  # metrics save nothing for backward, and bincount has no meta kernel
         if isinstance(metric, Metric):
             metric.update = lambda *args, **kwargs: None
@@ -169,23 +164,22 @@ def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
 
 def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
-    allows: a model with a parallel plan shards with FSDP (and TP inside a node), others with DeepSpeed ZeRO."""
+    allows: FSDP for any model (HSDP across nodes), TP inside a node where the model's plan splits layers."""
     import importlib.util
 
     plan = cfg.model.get("parallel")
     zero = importlib.util.find_spec("deepspeed") is not None
     if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
         return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if zero else [])]
-    layouts = [["strategy=ddp"]]
+    layouts = [["strategy=ddp"], ["strategy=fsdp"]]
+    if topology.nodes > 1:  # shards within a node, replicas across: fewer bytes over the slower links
+        layouts.insert(1, ["strategy=hsdp"])
     if plan:
-        layouts.append(["strategy=fsdp"])
         heads = (cfg.model.get("net") or {}).get("n_head") or 0
         sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
         sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
         if plan.get("colwise") and sizes:
             layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
-    elif zero:
-        layouts += [["strategy=deepspeed_stage_2"], ["strategy=deepspeed_stage_3"]]
     if zero:
         layouts.append(["strategy=deepspeed_stage_3_offload"])
     return layouts

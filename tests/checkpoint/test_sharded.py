@@ -140,3 +140,34 @@ def test_tp_checkpoint_resumes_exactly_and_exports(tmp_path):
     train(tmp_path, "killed", *tp2, "ckpt_path=auto")
     assert_bitwise(straight, weights(last(tmp_path, "killed")))
     assert_export_matches(last(tmp_path, "straight"), tmp_path / "tp.pt", torch.randint(0, 256, (2, 32)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 6 runs of 1-4 processes one after another
+def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
+    """The MoE GPT with its experts split over 2 ranks (EP 2, FSDP on the dense part) checkpoints after epoch
+    2; from there it resumes as HSDP 2 x 2 with EP 2 on 4 processes, as plain FSDP (each rank all experts,
+    sharded) on 2, and into one process, from HSDP's own mid-epoch checkpoint. Each run ends where the
+    straight run does, up to the order of reductions (measured <= 2.4e-7), and the EP x HSDP checkpoint
+    exports to one plain state dict of the bare network."""
+    moe = [*GPT, "experiment=gpt_moe"]
+    ep2 = [*moe, *strategy("fsdp", 2), "strategy.expert_parallel_size=2"]
+    train(tmp_path, "straight", *ep2)
+    straight = weights(last(tmp_path, "straight"))
+    assert straight["net.blocks.0.mlp.experts.fc_weight"].shape[0] == 4  # gathered: every expert, one tensor
+    proc = train(tmp_path, "epoch", *ep2, *kill_at(12), check=False)
+    assert proc.returncode != 0
+    epoch2 = last(tmp_path, "epoch")
+
+    diffs = {}
+    hsdp = [*moe, *strategy("hsdp", 4), "strategy.replicate_size=2", "strategy.expert_parallel_size=2"]
+    every2 = "callbacks.model_checkpoint.every_n_train_steps=2"
+    proc = train(tmp_path, "hsdp", *hsdp, every2, f"ckpt_path={epoch2}", *kill_at(15), check=False)
+    assert proc.returncode != 0
+    train(tmp_path, "single", *moe, *strategy("single"), f"ckpt_path={last(tmp_path, 'hsdp')}")
+    diffs["ep 2 -> hsdp 2x2 ep 2 -> single"] = max_diff(straight, weights(last(tmp_path, "single")))
+    train(tmp_path, "fsdp", *moe, *strategy("fsdp", 2), f"ckpt_path={epoch2}")
+    diffs["ep 2 -> fsdp 2 (ep 1)"] = max_diff(straight, weights(last(tmp_path, "fsdp")))
+    print("max |param - straight run's|:", diffs)
+    assert all(d < CLOSE for d in diffs.values()), diffs
+    assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))

@@ -52,6 +52,7 @@ STRATEGIES = {
         "strategy.tensor_parallel_size=2",
         "strategy.fsdp.reshard_after_forward=false",
     ],
+    "hsdp": ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2"],  # 2 replicas x 2 shards
 }
 if importlib.util.find_spec("deepspeed"):  # an optional extra; tests/distributed/test_deepspeed.py says so
     STRATEGIES["deepspeed"] = ["strategy=deepspeed_stage_2", "trainer.devices=2"]  # clips in its own partitions
@@ -64,14 +65,18 @@ ZERO_GRADIENT = "attn.k.bias"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
+    return start_runs(tmp_path_factory, TINY, STRATEGIES)
+
+
+def start_runs(tmp_path_factory, common: list[str], strategies: dict[str, list[str]]) -> dict[str, dict]:
     """name -> {losses, state, metrics, footprint (bytes per rank)}.
 
     The runs start together, one thread per process, to fill the CPUs without oversubscribing them.
     """
     procs = {}
-    for name, overrides in STRATEGIES.items():
+    for name, overrides in strategies.items():
         log_dir = tmp_path_factory.mktemp(name)
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *TINY, *overrides]
+        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *common, *overrides]
         cmd.append(f"+callbacks.recorder.path={log_dir / 'record.pt'}")
         popen = subprocess.Popen(
             cmd, cwd=PROJECT_ROOT, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -113,17 +118,18 @@ def test_same_training_as_one_process(runs, name):
 def test_fsdp_holds_a_share_of_the_model(runs):
     """Per-rank parameter + optimizer bytes, logged by every run: FSDP on 2 ranks holds half of DDP's."""
     single, ddp, fsdp = runs["single"]["footprint"], runs["ddp"]["footprint"], runs["fsdp"]["footprint"]
-    tp, fsdp_tp = runs["tp"]["footprint"], runs["fsdp_tp"]["footprint"]
-    assert len(ddp) == len(fsdp) == len(tp) == 2 and len(fsdp_tp) == 4
+    tp, fsdp_tp, hsdp = runs["tp"]["footprint"], runs["fsdp_tp"]["footprint"], runs["hsdp"]["footprint"]
+    assert len(ddp) == len(fsdp) == len(tp) == 2 and len(fsdp_tp) == len(hsdp) == 4
     assert ddp == single * 2  # DDP replicates the whole model on every rank
     for rank_bytes in fsdp:
         assert rank_bytes == pytest.approx(ddp[0] / 2, rel=0.02)
+    assert sorted(hsdp) == sorted(fsdp * 2)  # HSDP over 2 x 2 holds what FSDP over 2 does: 1/shard size
     assert max(tp) < single[0] and max(fsdp_tp) < min(fsdp)  # TP splits the blocks; 2-D also shards the rest
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test waits for all runs
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp", "fsdp_tp", "hsdp"])
 def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     """mlproject.plan, on the meta device and a fake process group, against the footprint line of the real run."""
     from mlproject.plan import estimate

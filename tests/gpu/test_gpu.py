@@ -40,6 +40,9 @@ RUNS = {  # (example, strategy)
     **{("digits", s): [f"strategy={s}"] for s in ["single", "ddp", *DEEPSPEED]},
     **{("gpt", s): [f"strategy={s}"] for s in ["single", "ddp", "fsdp", *DEEPSPEED]},
     ("gpt", "tp"): ["strategy=tp", f"strategy.tensor_parallel_size={GPUS}"],
+    ("gpt", "hsdp"): ["strategy=hsdp", f"strategy.replicate_size={2 if GPUS % 2 == 0 else 1}"],
+    ("gpt_moe", "single"): ["model=gpt_moe", "strategy=single"],  # 4 experts, split over up to 4 GPUs
+    ("gpt_moe", "fsdp_ep"): ["model=gpt_moe", "strategy=fsdp", f"strategy.expert_parallel_size={math.gcd(4, GPUS)}"],
 }
 # The CPU bound for autocast (tests/distributed/test_bf16.py: one bf16 rounding, 2**-9) x 4 for GPU kernels
 # that may split sums differently per strategy; DeepSpeed's bf16 runs the whole model in bf16 (no autocast),
@@ -79,7 +82,7 @@ def test_strategy_trains_like_one_gpu(runs, key):
     assert losses[-1] < losses[0] - 0.3  # it learns
     rtol = RTOL["deepspeed" if key[1].startswith("deepspeed") else "autocast"]
     torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=rtol, atol=0)
-    if key[0] == "gpt":
+    if key[0].startswith("gpt"):
         assert got["metrics"]["test/samples"] == ref["metrics"]["test/samples"]  # each sequence counted once
 
 

@@ -212,3 +212,19 @@ class PeakMemory(Callback):
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         (self.dir / f"rank{trainer.global_rank}.rss").write_text(str(peak))
+
+
+class HostMemory(Callback):
+    """Each rank's peak resident host memory (ru_maxrss) when training starts, after Lightning restored any
+    checkpoint and before the first step, saved as `<path>/rank<r>.json` (bytes)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import json
+        import resource
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(peak))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from mlproject.core.errors import ConfigError
 
-# configs/strategy/*.yaml name a factory in distributed/strategies.py; model_parallel covers three options
-MODEL_PARALLEL = ("fsdp", "tp", "fsdp_tp")
+# configs/strategy/*.yaml name a factory in distributed/strategies.py; model_parallel covers these options
+MODEL_PARALLEL = ("fsdp", "hsdp", "tp", "fsdp_tp")
 
 
 def per_device_batch_size(batch_size: int, replicas: int, accumulate: int = 1, exact: bool = True) -> int:
@@ -42,10 +42,12 @@ def _devices(devices, accelerator: str) -> int:
 
 @dataclass(frozen=True)
 class Topology:
-    strategy: str  # single | ddp | ddp_spawn | deepspeed | fsdp | tp | fsdp_tp, or a custom strategy's class name
+    strategy: str  # single | ddp | ddp_spawn | deepspeed | fsdp | hsdp | tp | fsdp_tp, or a custom class name
     nodes: int = 1
     devices_per_node: int = 1
     tensor_parallel_size: int = 1
+    replicate_size: int = 1  # data-parallel groups that each hold a full FSDP copy (HSDP); 1: plain FSDP
+    expert_parallel_size: int = 1  # ranks of a shard group that split the experts of an MoE layer
     accumulate: int = 1  # micro-batches per optimizer step
     global_batch_size: int | None = None  # data.batch_size, if the data has one
     training: bool = True  # False for evaluation only (eval, or train=false): the batch may split unevenly
@@ -54,15 +56,18 @@ class Topology:
     def of(cls, cfg) -> Topology:
         strategy = cfg.get("strategy") or {}
         name = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
-        tp = int(strategy.get("tensor_parallel_size", 1))
+        tp, replicate = int(strategy.get("tensor_parallel_size", 1)), int(strategy.get("replicate_size", 1))
         if name == "model_parallel":
-            name = "tp" if strategy.get("fsdp") is None else "fsdp" if tp == 1 else "fsdp_tp"
+            fsdp = "hsdp" if replicate > 1 else "fsdp"
+            name = "tp" if strategy.get("fsdp") is None else "fsdp_tp" if tp > 1 else fsdp
         data = cfg.get("data") or {}
         return cls(
             strategy=name,
             nodes=int(cfg.trainer.get("num_nodes", 1)),
             devices_per_node=_devices(cfg.trainer.devices, cfg.trainer.accelerator),
             tensor_parallel_size=tp,
+            replicate_size=replicate,
+            expert_parallel_size=int(strategy.get("expert_parallel_size", 1)),
             accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
             global_batch_size=data.get("batch_size"),
             training=bool(cfg.get("train", False)),
@@ -76,6 +81,24 @@ class Topology:
     def data_parallel_size(self) -> int:
         """Processes that read different batches: a tensor-parallel group reads one batch together."""
         return self.world_size // self.tensor_parallel_size
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks over which FSDP splits each (dense) parameter: a replica group."""
+        return self.data_parallel_size // self.replicate_size
+
+    @property
+    def mesh_dims(self) -> dict[str, int]:
+        """The named device mesh, outermost first (a pipeline dimension would go first). Experts are split over
+        `expert_parallel`, the inner part of the shard group, and FSDP-sharded over `expert_shard`, the rest;
+        dense parameters are sharded over both (`shard`, flattened) and replicated over `replicate`."""
+        ep = self.expert_parallel_size
+        return {
+            "replicate": self.replicate_size,
+            "expert_shard": self.shard_size // ep,
+            "expert_parallel": ep,
+            "tensor_parallel": self.tensor_parallel_size,
+        }
 
     @property
     def model_parallel(self) -> bool:
@@ -97,6 +120,22 @@ class Topology:
             raise ConfigError(
                 f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
                 "(trainer.devices x trainer.num_nodes); change one of them"
+            )
+        replicate, ep, dp = self.replicate_size, self.expert_parallel_size, self.data_parallel_size
+        if replicate < 1 or dp % replicate:
+            raise ConfigError(
+                f"strategy.replicate_size={replicate} must divide the data-parallel size {dp} (processes / "
+                f"strategy.tensor_parallel_size); the shard size is what is left (e.g. replicate_size=nodes)"
+            )
+        if ep < 1 or (dp // replicate) % ep:
+            raise ConfigError(
+                f"strategy.expert_parallel_size={ep} must divide the shard size {dp // replicate} (processes / "
+                f"tensor_parallel_size / replicate_size); expert groups live inside a shard group"
+            )
+        if ep > 1 and self.strategy not in ("fsdp", "hsdp"):
+            raise ConfigError(
+                f"strategy.expert_parallel_size={ep} needs strategy=fsdp or hsdp (FSDP reduces the experts' "
+                f"gradients), not {self.strategy}"
             )
         if self.strategy == "tp" and tp != world:
             raise ConfigError(

@@ -1,16 +1,18 @@
-"""Model parallelism on Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`) and tensor parallelism.
+"""Model parallelism on Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`, HSDP), tensor parallelism
+and expert parallelism, on one named N-D device mesh.
 
-Lightning builds the device mesh (data_parallel x tensor_parallel) and leaves sharding to the model's
-`configure_model`; every model calls `parallelize` there with its own plan from config: which module
-classes are blocks (FSDP's unit, activation checkpointing's unit) and which layers inside a block are
-split by columns or rows (Megatron-style: column-parallel layers feed row-parallel ones, so each
-attention and MLP needs one all-reduce forward and one backward).
+Lightning's strategy builds a fixed (data_parallel, tensor_parallel) mesh; ours builds the mesh the job's
+Topology names (replicate, shard split into expert_shard x expert_parallel, tensor_parallel), torchtitan's
+way, and leaves sharding to the model's `configure_model`. Every model calls `parallelize` there with its own
+plan from config: which module classes are blocks (FSDP's unit, activation checkpointing's unit), which layers
+inside a block are split by columns or rows (Megatron-style: column-parallel layers feed row-parallel ones,
+so each attention and MLP needs one all-reduce forward and one backward), and which modules hold experts.
+A model without a plan is sharded as one FSDP unit.
 """
 
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,37 +21,110 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 
+def named_meshes(topology, device_type: str) -> dict:
+    """The job's device meshes by name (Topology.mesh_dims), kept apart as torch asks (a flattened dimension is
+    not sliced from the root): `replicate`, `shard`, `data_parallel` (both: the batch split), `tensor_parallel`,
+    `expert_parallel`, `expert_shard`, `fsdp` (what dense parameters are sharded and replicated over: 2-D for
+    HSDP) and `expert_fsdp` (the same for experts, whose shard group is smaller by the expert-parallel size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = topology.mesh_dims
+    names = ("replicate", "shard", "tensor_parallel")
+    shape = (dims["replicate"], dims["expert_shard"] * dims["expert_parallel"], dims["tensor_parallel"])
+    root = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    split = ("expert_shard", "expert_parallel")
+    experts = root._unflatten("shard", tuple(dims[name] for name in split), split)
+    hsdp = dims["replicate"] > 1  # a 1-D mesh otherwise: plain FSDP's placements, bytes and collectives
+    meshes = {name: root[name] for name in names} | {
+        "data_parallel": root["replicate", "shard"]._flatten("data_parallel"),
+        "expert_parallel": experts["expert_parallel"],
+        "expert_shard": experts["expert_shard"],
+        "fsdp": root["replicate", "shard"] if hsdp else root["shard"],
+        "expert_fsdp": experts["replicate", "expert_shard"] if hsdp else experts["expert_shard"],
+    }
+    return {"root": root, **meshes}
+
+
 class ModelParallel(ModelParallelStrategy):
-    """Lightning's strategy plus our FSDP settings, which `parallelize` applies in configure_model.
+    """Lightning's strategy on our named mesh, plus our FSDP settings, which `parallelize` applies in
+    configure_model. `fsdp=None` means no sharding (pure tensor parallelism: every process is in the one TP
+    group). Degrees are plain integers; the shard size is what the others leave of the world."""
 
-    `fsdp=None` means no sharding (pure tensor parallelism: every process is in the one TP group).
-    """
-
-    def __init__(self, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        fsdp: dict | None = None,
+        replicate_size: int = 1,
+        expert_parallel_size: int = 1,
+        **kwargs,
+    ):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
-        self.fsdp = fsdp
+        self.fsdp, self.replicate_size, self.expert_parallel_size = fsdp, replicate_size, expert_parallel_size
+        self.meshes: dict = {}
+
+    @property
+    def topology(self):
+        from mlproject.core.topology import Topology
+
+        kind = "fsdp" if self.fsdp is not None else "tp"
+        return Topology(
+            kind,
+            self.num_nodes,
+            self.num_processes,
+            self._tensor_parallel_size,
+            self.replicate_size,
+            self.expert_parallel_size,
+        )
+
+    def setup_environment(self) -> None:
+        # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.
+        self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+        super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
+        self.meshes = named_meshes(self.topology, self.root_device.type)
+        self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        dp = self.meshes["data_parallel"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
-        # A full checkpoint (single, ddp, or a DeepSpeed directory converted) keys optimizer state by position,
-        # which Lightning maps to parameters in module order; re-key it by name in the optimizers' own order
-        # first (checkpoint/convert.py).
+        """Each rank reads what it will hold, where the format allows. A sharded directory: DCP reshards it
+        (Lightning's load). A full file (single, ddp) is memory-mapped, not read: each rank copies its own shard
+        of every tensor out of it, except that torch's optimizer loader gathers the present optimizer state in
+        full on rank 0 (measured: rank 0 holds the full state once more, the others their share). Its optimizer
+        state is keyed by position, which Lightning maps to parameters in module order: it is re-keyed by name
+        in the optimizers' own order first (checkpoint/convert.py). A DeepSpeed directory is converted in full
+        on every rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         from mlproject.checkpoint.convert import checkpoint_format, load_full, name_optimizer_states
 
         path = Path(self.broadcast(checkpoint_path))
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
-        checkpoint = load_full(path)
-        if self.optimizers:
-            name_optimizer_states(checkpoint, self.model, self.optimizers)
-        with tempfile.TemporaryDirectory() as tmp:
-            torch.save(checkpoint, Path(tmp) / path.name)
-            return super().load_checkpoint(Path(tmp) / path.name, weights_only)
+        mapped = path.is_file()
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False) if mapped else load_full(path)
+        name_optimizer_states(checkpoint, self.model, self.optimizers)
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
-    def setup_environment(self) -> None:
-        # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.
-        self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
-        super().setup_environment()
+    def setup(self, trainer) -> None:
+        # Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be silently ignored.
+        # BatchNorm's buffers are not sharded, and its parameters are gathered whole when the layer runs.
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if self._layer_sync and trainer.state.fn == TrainerFn.FITTING:
+            self.model = self._layer_sync.apply(self.model)
+        super().setup(trainer)
 
 
 def blocks_of(model: nn.Module, blocks: list[str]) -> list[nn.Module]:
@@ -82,6 +157,18 @@ def apply_compile(model: nn.Module, blocks: list[str] = ()) -> None:
         module.compile()
 
 
+def apply_ep(model: nn.Module, mesh, experts: list[str]) -> None:
+    """Split each expert module's parameters (stacked experts first: shape (experts, ...)) over the
+    expert-parallel mesh; the module dispatches its tokens to their experts' ranks with all-to-all itself
+    (`ep_group`, models/components/moe.py)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for module in blocks_of(model, experts):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+        module.ep_group = mesh.get_group()
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -90,45 +177,68 @@ def apply_fsdp(
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
     cpu_offload: bool = False,
+    experts: list[str] = (),
+    expert_mesh=None,
 ) -> None:
-    """Shard every block on its own (its parameters are gathered only while it runs), then the rest."""
+    """Shard every expert module and every block on its own (its parameters are gathered only while it runs),
+    then the rest (without blocks: the whole network is one unit). A 2-D mesh (replicate, shard) is HSDP:
+    reduce-scatter within a shard group, then all-reduce across replicas. Experts are sharded over their own,
+    smaller mesh: the expert-parallel ranks split them already."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = (getattr(torch, name) if name else None for name in (param_dtype, reduce_dtype))
     kwargs = {
-        "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    if expert_mesh is not None:
+        for module in blocks_of(model, experts):
+            fully_shard(module, mesh=expert_mesh, **kwargs)
     for block in blocks_of(model, blocks):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
 
 
 def shard(
-    net: nn.Module, mesh, fsdp: dict | None, blocks: list[str], colwise=(), rowwise=(), compile: bool = False
+    net: nn.Module,
+    meshes: dict,
+    fsdp: dict | None,
+    blocks: list[str] = (),
+    colwise=(),
+    rowwise=(),
+    experts=(),
+    compile: bool = False,
 ) -> None:
-    """TP, then activation checkpointing, then compile (per block), then FSDP (`fsdp=None`: none) over a
-    (data_parallel, tensor_parallel) mesh: what parallelize applies in training, and what plan.py applies on
-    the meta device to a fake world."""
-    settings = dict(fsdp or {})
-    if mesh["tensor_parallel"].size() > 1:
-        apply_tp(net, mesh["tensor_parallel"], blocks, list(colwise), list(rowwise))
+    """TP, then EP, then activation checkpointing, then compile (per block), then FSDP (`fsdp=None`: none) over
+    the named meshes: what parallelize applies in training, and what plan.py applies on the meta device to a
+    fake world."""
+    settings, blocks = dict(fsdp or {}), list(blocks)
+    if meshes["tensor_parallel"].size() > 1:
+        apply_tp(net, meshes["tensor_parallel"], blocks, list(colwise), list(rowwise))
+    ep = meshes["expert_parallel"].size() > 1
+    if ep:
+        apply_ep(net, meshes["expert_parallel"], list(experts))
     if settings.pop("activation_checkpointing", False):
         apply_ac(net, blocks)
     if compile:
         apply_compile(net, blocks)
     if fsdp is not None:
-        apply_fsdp(net, mesh["data_parallel"], blocks, **settings)
+        expert_mesh = meshes["expert_fsdp"] if ep else None
+        apply_fsdp(net, meshes["fsdp"], blocks, **settings, experts=list(experts), expert_mesh=expert_mesh)
 
 
-def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwise=(), compile: bool = False) -> None:
-    """The one call a LightningModule's configure_model makes: `shard` with the strategy's mesh and settings.
-    Under other strategies only the compile (of the whole network).
+def parallelize(
+    pl_module, net: nn.Module, blocks=(), colwise=(), rowwise=(), experts=(), compile: bool = False
+) -> None:
+    """The one call a LightningModule's configure_model makes: `shard` with the strategy's meshes and settings
+    (a model without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile
+    (of the whole network). Modules with a `batch_group` attribute (statistics over the global batch, e.g. an
+    MoE router's load) get the data-parallel process group.
 
     Lightning calls configure_model per fit/test: the second call does nothing.
     """
+    import torch.distributed as dist
     from torchmetrics import Metric
 
     strategy = pl_module.trainer.strategy
@@ -138,13 +248,22 @@ def parallelize(pl_module, net: nn.Module, blocks: list[str], colwise=(), rowwis
     if not isinstance(strategy, ModelParallel):
         if compile:
             apply_compile(net)
+        if dist.is_available() and dist.is_initialized():  # ddp, deepspeed: every rank reads its own batch
+            set_batch_group(net, dist.group.WORLD)
         return
-    mesh = pl_module.device_mesh
-    shard(net, mesh, strategy.fsdp, blocks, colwise, rowwise, compile)
+    meshes = strategy.meshes
+    shard(net, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
+    set_batch_group(net, meshes["data_parallel"].get_group())
     # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
     for metric in pl_module.modules():
         if isinstance(metric, Metric):
-            metric.process_group = mesh["data_parallel"].get_group()
+            metric.process_group = meshes["data_parallel"].get_group()
+
+
+def set_batch_group(net: nn.Module, group) -> None:
+    for module in net.modules():
+        if hasattr(module, "batch_group"):
+            module.batch_group = group
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:

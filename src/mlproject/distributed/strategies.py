@@ -49,31 +49,47 @@ def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kw
     return strategy
 
 
-def model_parallel(timeout: float = 1800, tensor_parallel_size: int = 1, fsdp: dict | None = None, **kwargs):
-    """FSDP2 and/or tensor parallelism, applied by the model's configure_model (distributed/parallel.py)."""
+def model_parallel(
+    timeout: float = 1800,
+    tensor_parallel_size: int = 1,
+    fsdp: dict | None = None,
+    replicate_size: int = 1,
+    expert_parallel_size: int = 1,
+    **kwargs,
+):
+    """FSDP2 (HSDP with replicate_size > 1), tensor and expert parallelism, applied by the model's
+    configure_model (distributed/parallel.py)."""
     from mlproject.distributed.parallel import ModelParallel
 
-    return ModelParallel(tensor_parallel_size, fsdp, timeout=timedelta(seconds=timeout), **kwargs)
+    return ModelParallel(
+        tensor_parallel_size, fsdp, replicate_size, expert_parallel_size, timeout=timedelta(seconds=timeout), **kwargs
+    )
 
 
 def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
-    """Preflight for strategy=fsdp|tp|fsdp_tp: what the model and the machine must allow (the topology's own
-    shape was validated already)."""
+    """Preflight for strategy=fsdp|hsdp|tp|fsdp_tp: what the model and the machine must allow (the topology's
+    own shape was validated already)."""
     if not topology.model_parallel:
         return
-    strategy, tp, name = cfg.strategy, topology.tensor_parallel_size, topology.strategy
-    heads = (cfg.model.get("net") or {}).get("n_head")
+    strategy, name = cfg.strategy, topology.strategy
+    tp, ep = topology.tensor_parallel_size, topology.expert_parallel_size
+    net, plan = cfg.model.get("net") or {}, cfg.model.get("parallel") or {}
+    heads, experts = net.get("n_head"), net.get("n_expert")
     if heads is not None and heads % tp:
         raise ConfigError(f"model.net.n_head={heads} must divide by strategy.tensor_parallel_size={tp}")
+    if ep > 1 and not plan.get("experts"):
+        raise ConfigError(f"strategy.expert_parallel_size={ep} needs a mixture-of-experts model (e.g. model=gpt_moe)")
+    if ep > 1 and (experts or 0) % ep:
+        raise ConfigError(f"model.net.n_expert={experts} must divide by strategy.expert_parallel_size={ep}")
+    if tp > 1 and not plan.get("colwise"):
+        model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"strategy={name} splits layers named by a `parallel` plan in the model config (e.g. model=gpt); "
+            f"{model} has none; use strategy=fsdp"
+        )
     import torch
 
     if (strategy.get("fsdp") or {}).get("cpu_offload") and (
         cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available()
     ):
         raise ConfigError("strategy.fsdp.cpu_offload=true moves GPU memory to the CPU; without a GPU set it to false")
-    if cfg.model.get("parallel") is None:  # the plan configure_model applies (distributed/parallel.py)
-        model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
-        raise ConfigError(
-            f"strategy={name} needs a model whose configure_model splits it by a `parallel` plan in its config "
-            f"(e.g. model=gpt); {model} has none; use strategy=ddp"
-        )

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from torchmetrics.classification import MulticlassAccuracy
 
 from mlproject.core.constants import PAD
-from mlproject.distributed.parallel import apply_compile
+from mlproject.distributed.parallel import parallelize
 from mlproject.models.metrics import ClassificationMetrics
 from mlproject.models.optim import configure
 
@@ -26,7 +26,6 @@ class Classifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, validate_args=False)
         self.val_metrics = ClassificationMetrics(num_classes)
         self.test_metrics = ClassificationMetrics(num_classes)
-        self._compiled = False  # configure_model runs per fit/test; compile once
 
     @property
     def synced_metrics(self) -> set[str]:
@@ -34,9 +33,9 @@ class Classifier(L.LightningModule):
         return {"train/acc"} | {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
 
     def configure_model(self):
-        if self.hparams.compile and not self._compiled:
-            apply_compile(self.net)  # the network, never this module; checkpoint keys stay
-            self._compiled = True
+        # no plan: under fsdp/hsdp the network is one FSDP unit; elsewhere only the compile (the network, never
+        # this module; checkpoint keys stay)
+        parallelize(self, self.net, compile=self.hparams.compile)
 
     def forward(self, x):
         return self.net(x)

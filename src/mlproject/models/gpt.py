@@ -1,8 +1,10 @@
 """The LightningModule for next-token prediction with the GPT of models/components/gpt.py.
 
-Like the Classifier it takes plain dicts. `parallel` says how strategy=fsdp|tp|fsdp_tp split the
+Like the Classifier it takes plain dicts. `parallel` says how strategy=fsdp|hsdp|tp|fsdp_tp split the
 network (see distributed/parallel.py); `compile` compiles the network (never this module), per block
-where it is sharded.
+where it is sharded. With mixture-of-experts MLPs (model=gpt_moe), `aux_loss_weights` weighs the routers'
+auxiliary losses (summed over layers) into the training loss, and each expert's share of the routed tokens
+is logged per layer (train/moe/load/layer<i>/expert<e>, over the global batch).
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from mlproject.models.optim import configure
 
 
 class GPTModule(L.LightningModule):
-    def __init__(self, net: dict, optimizer: dict, scheduler: dict, parallel: dict, compile: bool = False):
+    def __init__(
+        self,
+        net: dict,
+        optimizer: dict,
+        scheduler: dict,
+        parallel: dict,
+        compile: bool = False,
+        aux_loss_weights: dict | None = None,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
@@ -46,7 +56,24 @@ class GPTModule(L.LightningModule):
         logits = self(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
         self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
-        return loss
+        return loss + self._router_losses()
+
+    def _router_losses(self):
+        moe = self.net.moe_layers
+        if not moe:
+            return 0.0
+        total = 0.0
+        for name, weight in (self.hparams.aux_loss_weights or {}).items():
+            value = sum(layer.stats[name] for layer in moe)
+            self.log(f"train/moe/{name}", value)
+            total = total + weight * value
+        loads = {
+            f"train/moe/load/layer{i}/expert{e}": share
+            for i, layer in enumerate(moe)
+            for e, share in enumerate(layer.stats["load"])
+        }
+        self.log_dict(loads)  # the same on every rank: counted over the global batch
+        return total
 
     def _evaluate(self, batch, stage: str, metrics: LanguageModelMetrics) -> None:
         x, y, idx = batch

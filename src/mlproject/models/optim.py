@@ -18,13 +18,19 @@ def adamw(module: nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0
     """Biases and norm scales (1-D tensors) get no weight decay: decaying them only hurts.
 
     On CUDA the fused kernel (a few launches for the whole model); elsewhere the multi-tensor (foreach)
-    one, which torch picks by default only on CUDA. Either computes what the per-parameter loop does."""
+    one, which torch picks by default only on CUDA. Either computes what the per-parameter loop does. Both
+    need one tensor type: tensor parallelism leaves embeddings and norms plain tensors beside its DTensors,
+    so such a mix takes the per-parameter loop."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in module.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), foreach=False)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=cuda or None, foreach=not cuda or None)
 
 

@@ -3,6 +3,7 @@
 Attention keeps q, k and v as separate Linear layers and the MLP names its two layers, so tensor
 parallelism can split each one by name (configs/model/gpt.yaml, `parallel`). Heads are counted from
 the tensors, not from the config: under tensor parallelism a rank holds only its share of the heads.
+With n_expert > 0 every block's MLP is a mixture of experts (models/components/moe.py, model=gpt_moe).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mlproject.models.components.moe import MoE
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,12 +49,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, n_expert: int = 0, top_k: int = 2):
         super().__init__()
         self.norm1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.norm2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
+        self.mlp = MoE(n_embd, n_expert, top_k, dropout) if n_expert else MLP(n_embd, dropout, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -70,6 +73,8 @@ class GPT(nn.Module):
         n_embd: int = 128,
         dropout: float = 0.0,
         bias: bool = True,
+        n_expert: int = 0,
+        top_k: int = 2,
     ):
         super().__init__()
         if n_embd % n_head:
@@ -78,13 +83,13 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias, n_expert, top_k) for _ in range(n_layer))
         self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init_weights)
         # GPT-2: scale the layers that write into the residual stream by depth, so its variance stays put
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if name.endswith(("proj.weight", "proj_weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod
@@ -108,7 +113,14 @@ class GPT(nn.Module):
         6 per weight that multiplies (the embeddings are lookups) plus attention's scores and mixing,
         12 x layers x width (heads x head size) x context. A DTensor counts its global size."""
         weights = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(("tok_emb", "pos_emb")))
+        for moe in self.moe_layers:  # a token passes through top_k of the experts only
+            experts = sum(p.numel() for p in moe.experts.parameters())
+            weights -= experts - experts * moe.top_k // moe.router.out_features
         return 6 * weights + 12 * len(self.blocks) * self.tok_emb.embedding_dim * self.block_size
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
