@@ -86,8 +86,9 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        block = lambda: Block(n_embd, n_head, dropout, bias, n_expert, top_k)  # noqa: E731
-        self.blocks = nn.ModuleDict({str(i): block() for i in range(n_layer)})
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(n_embd, n_head, dropout, bias, n_expert, top_k) for i in range(n_layer)}
+        )
         self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init_weights)
