@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 
 
 class RecordSteps(Callback):
-    """The global training loss of every step and the full final state, saved by rank 0 to `path`
+    """The global training loss of every step and the full final state (of every rank, merged: pipeline stages
+    hold different parameters), saved by rank 0 to `path`
     (default: `steps.pt` in the run directory) as {"losses", "state"}; with `checkpoint`, every rank also
     takes part in saving the final checkpoint as `last.ckpt` in the run directory."""
 
@@ -40,6 +41,10 @@ class RecordSteps(Callback):
                 k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
                 for k, v in pl_module.state_dict().items()
             }
+        if torch.distributed.is_initialized():  # pipeline stages hold different parameters: merge every rank's
+            states = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, state)
+            state = {k: v for rank_state in states for k, v in rank_state.items()}
         if trainer.is_global_zero:
             torch.save({"losses": self.losses, "state": state}, self.path or run_dir / "steps.pt")
 

@@ -48,6 +48,7 @@ class Topology:
     tensor_parallel_size: int = 1
     replicate_size: int = 1  # data-parallel groups that each hold a full FSDP copy (HSDP); 1: plain FSDP
     expert_parallel_size: int = 1  # ranks of a shard group that split the experts of an MoE layer
+    pipeline_parallel_size: int = 1  # pipeline stages (groups of ranks) the network's blocks are split over
     accumulate: int = 1  # micro-batches per optimizer step
     global_batch_size: int | None = None  # data.batch_size, if the data has one
     training: bool = True  # False for evaluation only (eval, or train=false): the batch may split unevenly
@@ -57,6 +58,7 @@ class Topology:
         strategy = cfg.get("strategy") or {}
         name = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
         tp, replicate = int(strategy.get("tensor_parallel_size", 1)), int(strategy.get("replicate_size", 1))
+        pp = int(strategy.get("pipeline_parallel_size", 1))
         if name == "model_parallel":
             fsdp = "hsdp" if replicate > 1 else "fsdp"
             name = "tp" if strategy.get("fsdp") is None else "fsdp_tp" if tp > 1 else fsdp
@@ -68,6 +70,7 @@ class Topology:
             tensor_parallel_size=tp,
             replicate_size=replicate,
             expert_parallel_size=int(strategy.get("expert_parallel_size", 1)),
+            pipeline_parallel_size=pp,
             accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
             global_batch_size=data.get("batch_size"),
             training=bool(cfg.get("train", False)),
@@ -79,8 +82,9 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
-        """Processes that read different batches: a tensor-parallel group reads one batch together."""
-        return self.world_size // self.tensor_parallel_size
+        """Processes that read different batches: a tensor-parallel group reads one batch together, and so do
+        the stages of a pipeline (the first feeds the inputs, the last the targets)."""
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
 
     @property
     def shard_size(self) -> int:
@@ -89,11 +93,13 @@ class Topology:
 
     @property
     def mesh_dims(self) -> dict[str, int]:
-        """The named device mesh, outermost first (a pipeline dimension would go first). Experts are split over
+        """The named device mesh, outermost first: pipeline stages (point-to-point sends of activations, the
+        least traffic, so across the slowest links), then data parallelism, then TP. Experts are split over
         `expert_parallel`, the inner part of the shard group, and FSDP-sharded over `expert_shard`, the rest;
         dense parameters are sharded over both (`shard`, flattened) and replicated over `replicate`."""
         ep = self.expert_parallel_size
         return {
+            "pipeline": self.pipeline_parallel_size,
             "replicate": self.replicate_size,
             "expert_shard": self.shard_size // ep,
             "expert_parallel": ep,
@@ -110,7 +116,7 @@ class Topology:
 
     def validate(self) -> Topology:
         """Refuse a shape that cannot run, in one line naming the fix; returns itself."""
-        world, tp = self.world_size, self.tensor_parallel_size
+        world, tp, pp = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size
         if self.strategy == "single" and world > 1:
             raise ConfigError(
                 f"strategy=single runs one process but trainer.devices x trainer.num_nodes = {world}; "
@@ -120,6 +126,16 @@ class Topology:
             raise ConfigError(
                 f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
                 "(trainer.devices x trainer.num_nodes); change one of them"
+            )
+        if pp < 1 or world % (pp * tp):
+            raise ConfigError(
+                f"strategy.pipeline_parallel_size={pp} x tensor_parallel_size={tp} must divide the {world} "
+                "process(es) (trainer.devices x trainer.num_nodes); change one of them"
+            )
+        if pp > 1 and self.strategy not in ("fsdp", "hsdp", "fsdp_tp"):
+            raise ConfigError(
+                f"strategy.pipeline_parallel_size={pp} runs on FSDP (strategy=pp, which FSDP-shards each stage over "
+                f"the data-parallel ranks), not on strategy={self.strategy}"
             )
         replicate, ep, dp = self.replicate_size, self.expert_parallel_size, self.data_parallel_size
         if replicate < 1 or dp % replicate:

@@ -23,20 +23,25 @@ from torch import nn
 
 def named_meshes(topology, device_type: str) -> dict:
     """The job's device meshes by name (Topology.mesh_dims), kept apart as torch asks (a flattened dimension is
-    not sliced from the root): `replicate`, `shard`, `data_parallel` (both: the batch split), `tensor_parallel`,
+    not sliced from the root): `pipeline`, `replicate`, `shard`, `data_parallel` (both: the batch split), `metrics`
+    (pipeline x data_parallel), `tensor_parallel`,
     `expert_parallel`, `expert_shard`, `fsdp` (what dense parameters are sharded and replicated over: 2-D for
     HSDP) and `expert_fsdp` (the same for experts, whose shard group is smaller by the expert-parallel size)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = topology.mesh_dims
-    names = ("replicate", "shard", "tensor_parallel")
-    shape = (dims["replicate"], dims["expert_shard"] * dims["expert_parallel"], dims["tensor_parallel"])
+    names = ("pipeline", "replicate", "shard", "tensor_parallel")
+    shard = dims["expert_shard"] * dims["expert_parallel"]
+    shape = (dims["pipeline"], dims["replicate"], shard, dims["tensor_parallel"])
     root = init_device_mesh(device_type, shape, mesh_dim_names=names)
     split = ("expert_shard", "expert_parallel")
     experts = root._unflatten("shard", tuple(dims[name] for name in split), split)
     hsdp = dims["replicate"] > 1  # a 1-D mesh otherwise: plain FSDP's placements, bytes and collectives
     meshes = {name: root[name] for name in names} | {
         "data_parallel": root["replicate", "shard"]._flatten("data_parallel"),
+        # every rank once, but one per TP group: what evaluation metrics sum over (under pp only the last
+        # stage has outputs; the other stages add zeros, and every rank then reports the same numbers)
+        "metrics": root["pipeline", "replicate", "shard"]._flatten("metrics"),
         "expert_parallel": experts["expert_parallel"],
         "expert_shard": experts["expert_shard"],
         "fsdp": root["replicate", "shard"] if hsdp else root["shard"],
@@ -56,10 +61,13 @@ class ModelParallel(ModelParallelStrategy):
         fsdp: dict | None = None,
         replicate_size: int = 1,
         expert_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline: dict | None = None,
         **kwargs,
     ):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.fsdp, self.replicate_size, self.expert_parallel_size = fsdp, replicate_size, expert_parallel_size
+        self.pipeline_parallel_size, self.pipeline = pipeline_parallel_size, dict(pipeline or {})
         self.meshes: dict = {}
 
     @property
@@ -74,6 +82,7 @@ class ModelParallel(ModelParallelStrategy):
             self._tensor_parallel_size,
             self.replicate_size,
             self.expert_parallel_size,
+            self.pipeline_parallel_size,
         )
 
     def setup_environment(self) -> None:
@@ -229,12 +238,22 @@ def shard(
 
 
 def parallelize(
-    pl_module, net: nn.Module, blocks=(), colwise=(), rowwise=(), experts=(), compile: bool = False
+    pl_module,
+    net: nn.Module,
+    blocks=(),
+    colwise=(),
+    rowwise=(),
+    experts=(),
+    compile: bool = False,
+    pipeline: dict | None = None,
+    loss_fn=None,
 ) -> None:
     """The one call a LightningModule's configure_model makes: `shard` with the strategy's meshes and settings
     (a model without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile
     (of the whole network). Modules with a `batch_group` attribute (statistics over the global batch, e.g. an
-    MoE router's load) get the data-parallel process group.
+    MoE router's load) get the data-parallel process group. With a pipeline dimension, the network is first
+    split into this rank's stages by the plan's `pipeline` entry (layers, first, last; distributed/pipeline.py),
+    each stage is sharded as a network of its own, and `pl_module.pipeline` runs them with `loss_fn`.
 
     Lightning calls configure_model per fit/test: the second call does nothing.
     """
@@ -252,12 +271,22 @@ def parallelize(
             set_batch_group(net, dist.group.WORLD)
         return
     meshes = strategy.meshes
-    shard(net, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
+    pp = meshes["pipeline"]
+    if pp.size() > 1:
+        from mlproject.distributed.pipeline import Pipeline, split
+
+        schedule, microbatches = strategy.pipeline["schedule"], strategy.pipeline["microbatches"]
+        views = split(net, pp.get_local_rank(), pp.size(), schedule, **pipeline)
+        for view in views.values():
+            shard(view, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
+        pl_module.pipeline = Pipeline(views, pp, strategy.root_device, schedule, microbatches, loss_fn)
+    else:
+        shard(net, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
     set_batch_group(net, meshes["data_parallel"].get_group())
-    # A TP group evaluates the same samples: metrics sum over data-parallel ranks only, or they count them twice.
+    # A TP group evaluates the same samples: metrics sum over the other ranks only, or they count them twice.
     for metric in pl_module.modules():
         if isinstance(metric, Metric):
-            metric.process_group = meshes["data_parallel"].get_group()
+            metric.process_group = meshes["metrics"].get_group()
 
 
 def set_batch_group(net: nn.Module, group) -> None:
@@ -266,7 +295,7 @@ def set_batch_group(net: nn.Module, group) -> None:
             module.batch_group = group
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pipeline_parallel_size: int = 1) -> torch.Tensor:
     """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes,
     with one all-reduce for the whole model.
 
@@ -274,7 +303,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     embeddings and norms whole), and reducing each DTensor's norm on its own costs one collective per
     parameter. Instead every rank sums the squares of the gradient elements it holds; an element held by
     k ranks (replicated over k of the world's ranks) counts 1/k on each, so one sum over all ranks is the
-    global sum of squares. Gradients here are sharded or replicated, never partial (FSDP, TP).
+    global sum of squares. Gradients here are sharded or replicated, never partial (FSDP, TP). Each pipeline
+    stage holds its own parameters: an element is held only within its stage's 1/P of the world, and the same
+    sum over all ranks adds up the stages.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -287,7 +318,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
             # not pl.is_shard(): FSDP over TP shards by _StridedShard, which is no Shard in torch 2.13
             distinct = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
             g = g.to_local()
-        copies.setdefault(dist.get_world_size() // distinct, []).append(g)
+        copies.setdefault(dist.get_world_size() // pipeline_parallel_size // distinct, []).append(g)
     squares = [torch.nn.utils.get_total_norm(grads).square() / k for k, grads in copies.items()]
     total = torch.stack(squares).sum()
     dist.all_reduce(total)

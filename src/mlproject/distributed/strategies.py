@@ -55,14 +55,23 @@ def model_parallel(
     fsdp: dict | None = None,
     replicate_size: int = 1,
     expert_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    pipeline: dict | None = None,
     **kwargs,
 ):
-    """FSDP2 (HSDP with replicate_size > 1), tensor and expert parallelism, applied by the model's
-    configure_model (distributed/parallel.py)."""
+    """FSDP2 (HSDP with replicate_size > 1), tensor, expert and pipeline parallelism, applied by the model's
+    configure_model (distributed/parallel.py, distributed/pipeline.py)."""
     from mlproject.distributed.parallel import ModelParallel
 
     return ModelParallel(
-        tensor_parallel_size, fsdp, replicate_size, expert_parallel_size, timeout=timedelta(seconds=timeout), **kwargs
+        tensor_parallel_size,
+        fsdp,
+        replicate_size,
+        expert_parallel_size,
+        pipeline_parallel_size,
+        pipeline,
+        timeout=timedelta(seconds=timeout),
+        **kwargs,
     )
 
 
@@ -87,9 +96,52 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
             f"strategy={name} splits layers named by a `parallel` plan in the model config (e.g. model=gpt); "
             f"{model} has none; use strategy=fsdp"
         )
+    if topology.pipeline_parallel_size > 1:
+        check_pipeline(cfg, topology)
     import torch
 
     if (strategy.get("fsdp") or {}).get("cpu_offload") and (
         cfg.trainer.accelerator == "cpu" or not torch.cuda.is_available()
     ):
         raise ConfigError("strategy.fsdp.cpu_offload=true moves GPU memory to the CPU; without a GPU set it to false")
+
+
+def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
+    """Preflight for strategy.pipeline_parallel_size > 1: stages, micro-batches and batch must divide."""
+    from mlproject.distributed.pipeline import SCHEDULES, min_microbatches, stages_per_rank
+
+    pp, settings = topology.pipeline_parallel_size, cfg.strategy.get("pipeline") or {}
+    schedule, m = settings.get("schedule"), int(settings.get("microbatches") or 0)
+    plan, layers = cfg.model.get("parallel") or {}, (cfg.model.get("net") or {}).get("n_layer")
+    model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
+    if not plan.get("pipeline"):
+        raise ConfigError(f"pipeline parallelism splits the blocks named by model.parallel.pipeline; {model} has none")
+    if plan.get("experts"):
+        raise ConfigError("pipeline parallelism of a mixture-of-experts model is not supported yet; use fsdp with EP")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"strategy.pipeline.schedule={schedule} must be one of {', '.join(SCHEDULES)}")
+    stages = pp * stages_per_rank(schedule)
+    if layers is not None and (layers < stages or layers % stages):
+        raise ConfigError(
+            f"model.net.n_layer={layers} does not divide into {stages} pipeline stages ({schedule} on "
+            f"pipeline_parallel_size={pp}); use a multiple of {stages} blocks"
+        )
+    if m < min_microbatches(schedule, pp):
+        raise ConfigError(
+            f"strategy.pipeline.microbatches={m}: {schedule} needs at least {min_microbatches(schedule, pp)} "
+            f"(one per stage; more make the bubble smaller)"
+        )
+    if schedule == "interleaved_1f1b" and m % max(1, m // pp):
+        raise ConfigError(f"strategy.pipeline.microbatches={m} must be a multiple of {m // pp} for interleaved_1f1b")
+    if topology.accumulate > 1:
+        raise ConfigError(
+            "trainer.accumulate_grad_batches must be 1 under pipeline parallelism: its micro-batches accumulate "
+            "already; raise strategy.pipeline.microbatches instead"
+        )
+    if not cfg.strategy.get("save_distributed_checkpoint", True):
+        raise ConfigError("strategy.save_distributed_checkpoint=false: a pipeline's stages save their own shards")
+    if topology.training and topology.global_batch_size is not None and topology.per_device_batch_size % m:
+        raise ConfigError(
+            f"data.batch_size={topology.global_batch_size} gives {topology.per_device_batch_size} samples per "
+            f"data-parallel rank, which do not divide into strategy.pipeline.microbatches={m}"
+        )

@@ -10,16 +10,24 @@ is logged per layer (train/moe/load/layer<i>/expert<e>, over the global batch).
 from __future__ import annotations
 
 import lightning as L
+import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
 from mlproject.core.constants import IGNORE_INDEX, PAD
 from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
+from mlproject.distributed.pipeline import Pipeline
 from mlproject.models.metrics import LanguageModelMetrics
 from mlproject.models.optim import configure
 
 
+def next_token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+
+
 class GPTModule(L.LightningModule):
+    pipeline: Pipeline | None = None  # set by parallelize under pipeline parallelism
+
     def __init__(
         self,
         net: dict,
@@ -46,17 +54,33 @@ class GPTModule(L.LightningModule):
         return self.net.flops_per_token()
 
     def configure_model(self):
-        parallelize(self, self.net, **self.hparams.parallel, compile=self.hparams.compile)
+        parallelize(self, self.net, **self.hparams.parallel, compile=self.hparams.compile, loss_fn=next_token_loss)
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+        if self.pipeline is not None:
+            loss = self.pipeline.step(x, y)  # forward and backward of every micro-batch; see backward()
+            self.log("train/loss", loss)
+            return loss
+        loss = next_token_loss(self(x), y)
         self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
         return loss + self._router_losses()
+
+    # A pipeline schedule runs the backward of each micro-batch itself, interleaved with the forwards of others,
+    # inside training_step (which starts from zeroed gradients); the loss returned is for logging only. So under
+    # a pipeline Lightning's backward is skipped, and so is its zero_grad, which runs between training_step and
+    # backward. Automatic optimization stays otherwise as it is (clipping, optimizer and LR steps, callbacks):
+    # pipeline parallelism changes nothing else about a run.
+    def backward(self, loss, *args, **kwargs):
+        if self.pipeline is None:
+            super().backward(loss, *args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if self.pipeline is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def _router_losses(self):
         moe = self.net.moe_layers
@@ -77,7 +101,15 @@ class GPTModule(L.LightningModule):
 
     def _evaluate(self, batch, stage: str, metrics: LanguageModelMetrics) -> None:
         x, y, idx = batch
-        metrics.update(self(x), y, idx != PAD)
+        if self.pipeline is None:
+            metrics.update(self(x), y, idx != PAD)
+        elif self.pipeline.last:
+            metrics.update(self.pipeline(x), y, idx != PAD)
+        else:  # the other stages count one padded sequence, i.e. nothing, so that every rank syncs the same metrics
+            self.pipeline(x)
+            vocab = self.hparams.net["vocab_size"]
+            nothing = torch.zeros(1, dtype=torch.bool, device=y.device)
+            metrics.update(torch.zeros(1, y.size(1), vocab, device=y.device), y[:1], nothing)
         for name, metric in metrics.items().items():
             self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "loss")
 
@@ -92,7 +124,7 @@ class GPTModule(L.LightningModule):
         # gradients live in its own partitions) and the rest clip the usual way
         parallel = isinstance(self.trainer.strategy, ModelParallel)
         if parallel and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            clip_grad_norm_(self.parameters(), gradient_clip_val)
+            clip_grad_norm_(self.parameters(), gradient_clip_val, self.trainer.strategy.pipeline_parallel_size)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -4,6 +4,9 @@ Attention keeps q, k and v as separate Linear layers and the MLP names its two l
 parallelism can split each one by name (configs/model/gpt.yaml, `parallel`). Heads are counted from
 the tensors, not from the config: under tensor parallelism a rank holds only its share of the heads.
 With n_expert > 0 every block's MLP is a mixture of experts (models/components/moe.py, model=gpt_moe).
+Blocks are a ModuleDict keyed by their index (checkpoint keys `blocks.<i>.` as a ModuleList would give), so a
+pipeline stage keeps its own blocks under their original names; its forward skips the embeddings or the head
+where a stage has none (distributed/pipeline.py).
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias, n_expert, top_k) for _ in range(n_layer))
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(n_embd, n_head, dropout, bias, n_expert, top_k) for i in range(n_layer)}
+        )
         self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -100,13 +105,17 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids -> logits; a later pipeline stage (no embeddings) takes hidden states, and a stage before the
+        last (no head) returns them."""
         t = idx.size(1)
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device)))
-        for block in self.blocks:
+        x = idx
+        if self.tok_emb is not None:
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device)))
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
+        return x if self.head is None else self.head(self.norm(x))
 
     def flops_per_token(self) -> int:
         """Training FLOPs (forward and backward) per token, as nanoGPT's estimate_mfu (PaLM, appendix B):
@@ -120,7 +129,7 @@ class GPT(nn.Module):
 
     @property
     def moe_layers(self) -> list[MoE]:
-        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+        return [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:

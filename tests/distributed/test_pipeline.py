@@ -1,0 +1,100 @@
+"""Pipeline parallelism (strategy=pp) trains the tiny GPT exactly as one process does, on every schedule and
+composed with FSDP and TP; impossible pipelines are refused before any process starts.
+
+As in test_model_parallel.py: real `python -m mlproject.train` runs with gloo processes, fp32, the same seed
+and global batch, compared with the single process on the loss of every step, the final parameters (merged
+from every stage) and the test metrics. The GPT has 4 blocks here, so that interleaved_1f1b has 2 stages of
+one block per rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, ZERO_GRADIENT, start_runs
+
+PIPE = [o for o in TINY if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]
+# Twice test_model_parallel's: a pipeline sums each gradient over micro-batches, a longer reordering of the
+# additions; where a gradient element is near zero (a rare byte's row of the head), Adam turns the rounding
+# into steps of ~1e-6 (measured: <= 4.5e-6 everywhere, 6.9e-6 in one of the head's 8192 elements).
+PARAM_ATOL = 1e-5
+PP = ["strategy=pp", "strategy.pipeline_parallel_size=2"]
+STRATEGIES = {
+    "single": ["strategy=single"],
+    # 8 sequences per data-parallel rank: gpipe in 2 micro-batches of 4, the 1F1B schedules in 4 of 2
+    "gpipe": [*PP, "trainer.devices=2", "strategy.pipeline.schedule=gpipe", "strategy.pipeline.microbatches=2"],
+    "1f1b": [*PP, "trainer.devices=2", "strategy.pipeline.schedule=1f1b", "strategy.pipeline.microbatches=4"],
+    "interleaved_1f1b": [
+        *PP,
+        "trainer.devices=2",
+        "strategy.pipeline.schedule=interleaved_1f1b",
+        "strategy.pipeline.microbatches=4",
+    ],
+    # 2 stages x 2 FSDP shards: 4 sequences per data-parallel rank, 2 micro-batches of 2
+    "pp_fsdp": [*PP, "trainer.devices=4", "strategy.pipeline.microbatches=2"],
+    # 2 stages x 2 TP ranks (one data-parallel rank)
+    "pp_tp": [*PP, "trainer.devices=4", "strategy.tensor_parallel_size=2", "strategy.pipeline.microbatches=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    return start_runs(tmp_path_factory, PIPE, STRATEGIES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the first test waits for all runs
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
+def test_same_training_as_one_process(runs, name):
+    ref, got = runs["single"], runs[name]
+    assert len(got["losses"]) == len(ref["losses"]) == 6
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it learns: the comparison is not between constants
+    assert got["state"].keys() == ref["state"].keys()  # every stage's parameters, under the single process's names
+    for key, value in ref["state"].items():
+        if key.endswith(ZERO_GRADIENT):
+            assert got["state"][key].abs().max() < 1e-4 and value.abs().max() < 1e-4, key
+        else:
+            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+    # evaluation runs through the pipeline too: every test sequence once, the single process's numbers
+    assert got["metrics"]["test/loss"] == pytest.approx(ref["metrics"]["test/loss"], rel=LOSS_RTOL)
+    assert got["metrics"]["test/acc"] == pytest.approx(ref["metrics"]["test/acc"], abs=1e-3)
+    assert got["metrics"]["test/samples"] == ref["metrics"]["test/samples"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the first test waits for all runs
+def test_each_stage_holds_its_share(runs):
+    """Per-rank parameter + optimizer bytes: the stages of a pipeline hold the whole model between them, once."""
+    (single,) = runs["single"]["footprint"]
+    for name in ("gpipe", "1f1b", "interleaved_1f1b"):
+        footprint = runs[name]["footprint"]
+        assert sum(footprint) == single and max(footprint) < 0.7 * single, name
+    # FSDP halves each stage; both shards keep Adam's 4-byte step counter of every parameter (69 of them)
+    pp_fsdp = runs["pp_fsdp"]["footprint"]
+    assert sum(pp_fsdp) == single + 69 * 4 and max(pp_fsdp) < 0.35 * single
+    assert max(runs["pp_tp"]["footprint"]) < min(runs["1f1b"]["footprint"])  # TP splits each stage's blocks too
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.net.n_layer=3"], "does not divide into 2 pipeline stages"),
+        (["strategy.pipeline.schedule=interleaved_1f1b"], "does not divide into 4 pipeline stages"),
+        (["strategy.pipeline.microbatches=1"], "1f1b needs at least 2"),
+        (["strategy.pipeline.microbatches=3"], "do not divide into strategy.pipeline.microbatches=3"),
+        (["trainer.accumulate_grad_batches=2"], "accumulate_grad_batches must be 1"),
+        (["strategy.fsdp=null"], "runs on FSDP"),
+        (["trainer.devices=3"], "must divide the 3 process(es)"),
+    ],
+)
+def test_impossible_pipelines_refused(compose_cfg, overrides, message):
+    """trainer=cpu: preflight only, no process starts."""
+    from mlproject.core.errors import ConfigError
+    from mlproject.preflight import preflight
+
+    base = ["model=gpt", "data=text", "trainer=cpu", "data.batch_size=8", "model.net.n_layer=2", *PP]
+    cfg = compose_cfg(*base, "trainer.devices=2", *overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        preflight(cfg)
