@@ -12,11 +12,10 @@ from hydra.utils import instantiate
 
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.distributed.parallel import apply_compile
-from tests.helpers.processes import clean_env, run_dirs
+from tests.helpers.processes import TINY_GPT, clean_env, run_dirs
 
 TINY = [
-    "model=gpt",
-    "data=text",
+    *TINY_GPT,
     "trainer.accelerator=cpu",
     "extras.print_config=false",
     "callbacks=none",
@@ -24,13 +23,6 @@ TINY = [
     "test=false",
     "+callbacks.recorder._target_=tests.helpers.callbacks.RecordSteps",
     "+callbacks.last._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-    "model.net.n_layer=2",
-    "model.net.n_head=4",
-    "model.net.n_embd=32",
-    "data.block_size=32",
-    "data.batch_size=8",
-    "data.val_fraction=0.005",
-    "data.test_fraction=0.005",
     "model.optimizer.lr=0.01",
     "model.scheduler.warmup_steps=2",
     "trainer.max_epochs=1",

@@ -17,25 +17,17 @@ import pytest
 import torch
 
 from mlproject.core.constants import EXIT_SIGTERM, PROJECT_ROOT
-from tests.helpers.processes import clean_env
+from tests.helpers.processes import TINY_GPT, clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 EVERY = 4  # optimizer steps between the signal checks
 STEPS = 10
 TINY = [
-    "model=gpt",
-    "data=text",
+    *TINY_GPT,
     "trainer.accelerator=cpu",
     "trainer.devices=2",
     "extras.print_config=false",
-    "model.net.n_layer=2",
-    "model.net.n_head=4",
-    "model.net.n_embd=32",
-    "data.block_size=32",
-    "data.batch_size=8",
-    "data.val_fraction=0.005",
-    "data.test_fraction=0.005",
     "trainer.max_epochs=1",
     f"+trainer.max_steps={STEPS}",
     "+trainer.limit_val_batches=0",

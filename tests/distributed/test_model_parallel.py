@@ -18,23 +18,15 @@ import pytest
 import torch
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.helpers.processes import clean_env, read_metrics, run_dirs
+from tests.helpers.processes import TINY_GPT, clean_env, read_metrics, run_dirs
 
 TINY = [
-    "model=gpt",
-    "data=text",
+    *TINY_GPT,
     "trainer.accelerator=cpu",
     "extras.print_config=false",
     "callbacks=none",
     "+callbacks.footprint._target_=mlproject.callbacks.footprint.ModelFootprint",
     "+callbacks.recorder._target_=tests.helpers.callbacks.RecordSteps",
-    "model.net.n_layer=2",
-    "model.net.n_head=4",
-    "model.net.n_embd=32",
-    "data.block_size=32",
-    "data.batch_size=8",
-    "data.val_fraction=0.005",
-    "data.test_fraction=0.005",
     "model.optimizer.lr=0.01",
     "model.scheduler.warmup_steps=2",
     "trainer.max_epochs=1",

@@ -49,30 +49,12 @@ def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kw
     return strategy
 
 
-def model_parallel(
-    timeout: float = 1800,
-    tensor_parallel_size: int = 1,
-    fsdp: dict | None = None,
-    replicate_size: int = 1,
-    expert_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    pipeline: dict | None = None,
-    **kwargs,
-):
+def model_parallel(timeout: float = 1800, **degrees):
     """FSDP2 (HSDP with replicate_size > 1), tensor, expert and pipeline parallelism, applied by the model's
-    configure_model (distributed/parallel.py, distributed/pipeline.py)."""
+    configure_model (distributed/parallel.py, distributed/pipeline.py). `degrees`: ModelParallel's arguments."""
     from mlproject.distributed.parallel import ModelParallel
 
-    return ModelParallel(
-        tensor_parallel_size,
-        fsdp,
-        replicate_size,
-        expert_parallel_size,
-        pipeline_parallel_size,
-        pipeline,
-        timeout=timedelta(seconds=timeout),
-        **kwargs,
-    )
+    return ModelParallel(timeout=timedelta(seconds=timeout), **degrees)
 
 
 def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
