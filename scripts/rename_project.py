@@ -70,6 +70,7 @@ EXAMPLES = {
             "scripts/bench.py",  # template vs plain loop on the digits CNN
             "notebooks/inspect_run.ipynb",  # confusion matrix of a classifier run
             "tests/test_notebook.py",
+            "tests/test_lr_schedule.py",  # the LR schedule of a real digits run
             "tests/test_add_your_own.py",  # the README's walkthrough copies the digits files
             *BOTH,
         ),
@@ -99,6 +100,8 @@ EXAMPLES = {
             "configs/experiment/gpt*.yaml",
             "tests/**/test_*gpt*.py",
             "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
+            "tests/helpers/gpt.py",  # the tiny GPT of the strategy proofs
+            "tests/distributed/test_pipeline.py",  # pipeline parallelism against a single process, on the GPT
             "tests/distributed/test_collectives.py",  # per-step collectives counted under ddp and fsdp (GPT)
             "tests/distributed/test_ema.py",  # EMA under fsdp, on the GPT
             "tests/test_compile.py",  # compile per block under fsdp, on the GPT

@@ -12,7 +12,8 @@ from hydra.utils import instantiate
 
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.distributed.parallel import apply_compile
-from tests.helpers.processes import TINY_GPT, clean_env, run_dirs
+from tests.helpers.gpt import TINY_GPT
+from tests.helpers.processes import clean_env, run_dirs
 
 TINY = [
     *TINY_GPT,

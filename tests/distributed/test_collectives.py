@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from mlproject.core.constants import EXIT_SIGTERM, PROJECT_ROOT
-from tests.helpers.processes import TINY_GPT, clean_env
+from tests.helpers.gpt import TINY_GPT
+from tests.helpers.processes import clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.helpers.processes import TINY_GPT, clean_env, read_metrics, run_dirs
+from tests.helpers.gpt import TINY_GPT
+from tests.helpers.processes import clean_env, read_metrics, run_dirs
 
 TINY = [
     *TINY_GPT,

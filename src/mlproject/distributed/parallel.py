@@ -260,6 +260,8 @@ def parallelize(
     import torch.distributed as dist
     from torchmetrics import Metric
 
+    if pl_module._trainer is None:  # load_from_checkpoint calls configure_model outside a Trainer: keep it whole
+        return
     strategy = pl_module.trainer.strategy
     if getattr(net, "_parallelized", False):
         return
