@@ -20,9 +20,11 @@ EVERY_7_STEPS = ["callbacks.model_checkpoint.every_n_train_steps=7"]
 def test_torchrun_restart_resumes_bitwise(tmp_path):
     setup = [*strategy("ddp", 2), *EVERY_7_STEPS]
     train(tmp_path, "straight", *setup)
-    # rank 1 is SIGKILLed at step 47 of the first attempt (last checkpoint: step 42); torchrun restarts both
+    # rank 1 is SIGKILLed at step 47 of the first attempt (last checkpoint: step 42); torchrun restarts both.
+    # Restarts to spare, as docs/strategies.md advises: a restarted gloo group's first connect is sometimes
+    # refused while the dead round's sockets close (seen once in three CI-shaped runs); the next try joins.
     stamp = tmp_path / "killed"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3"]
     overrides = [*BASE, "run_id=elastic", "test=false", *setup, "ckpt_path=auto", *kill_at(47, 1, stamp)]
     cmd = [*torchrun, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", *overrides]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
