@@ -11,9 +11,9 @@ global batch), the final parameters and the test metrics; and what each rank hol
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.distributed.test_model_parallel import LOSS_RTOL, PARAM_ATOL, TINY, ZERO_GRADIENT, start_runs
+from tests.distributed.test_model_parallel import LOSS_RTOL, PARAM_ATOL, TINY, start_runs
+from tests.helpers.gpt import assert_trains_like
 
 MOE = [*TINY, "model=gpt_moe"]
 STRATEGIES = {
@@ -40,20 +40,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.timeout(900)  # the first test waits for all runs
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
 def test_same_training_as_one_process(runs, name):
-    ref, got = runs["single"], runs[name]
-    assert len(got["losses"]) == len(ref["losses"]) == 6
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
-    assert ref["losses"][-1] < ref["losses"][0] - 0.5
-    assert got["state"].keys() == ref["state"].keys()
-    for key, value in ref["state"].items():
-        diff = (got["state"][key] - value).abs()
-        if key.endswith(ZERO_GRADIENT):
-            assert got["state"][key].abs().max() < 1e-4 and value.abs().max() < 1e-4, key
-        else:
-            assert (diff > PARAM_ATOL).float().mean() <= RARE and diff.max() < RARE_ATOL, (key, diff.max())
-    assert got["metrics"]["test/loss"] == pytest.approx(ref["metrics"]["test/loss"], rel=LOSS_RTOL)
-    assert got["metrics"]["test/acc"] == pytest.approx(ref["metrics"]["test/acc"], abs=1e-3)
-    assert got["metrics"]["test/samples"] == ref["metrics"]["test/samples"]
+    assert_trains_like(runs[name], runs["single"], LOSS_RTOL, PARAM_ATOL, rare=(RARE, RARE_ATOL))
 
 
 @pytest.mark.slow

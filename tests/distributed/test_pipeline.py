@@ -10,9 +10,9 @@ one block per rank.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, ZERO_GRADIENT, start_runs
+from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, start_runs
+from tests.helpers.gpt import assert_trains_like
 
 PIPE = [o for o in TINY if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]
 # Twice test_model_parallel's: a pipeline sums each gradient over micro-batches, a longer reordering of the
@@ -47,20 +47,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.timeout(1200)  # the first test waits for all runs
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
 def test_same_training_as_one_process(runs, name):
-    ref, got = runs["single"], runs[name]
-    assert len(got["losses"]) == len(ref["losses"]) == 6
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
-    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it learns: the comparison is not between constants
-    assert got["state"].keys() == ref["state"].keys()  # every stage's parameters, under the single process's names
-    for key, value in ref["state"].items():
-        if key.endswith(ZERO_GRADIENT):
-            assert got["state"][key].abs().max() < 1e-4 and value.abs().max() < 1e-4, key
-        else:
-            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
-    # evaluation runs through the pipeline too: every test sequence once, the single process's numbers
-    assert got["metrics"]["test/loss"] == pytest.approx(ref["metrics"]["test/loss"], rel=LOSS_RTOL)
-    assert got["metrics"]["test/acc"] == pytest.approx(ref["metrics"]["test/acc"], abs=1e-3)
-    assert got["metrics"]["test/samples"] == ref["metrics"]["test/samples"]
+    # every stage's parameters under the single process's names; evaluation runs through the pipeline too
+    assert_trains_like(runs[name], runs["single"], LOSS_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.slow
