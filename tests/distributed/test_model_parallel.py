@@ -59,7 +59,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 
 def start_runs(tmp_path_factory, common: list[str], strategies: dict[str, list[str]]) -> dict[str, dict]:
-    """name -> {losses, state, metrics, footprint (bytes per rank)}.
+    """name -> {losses, state, metrics, footprint (bytes per rank), run_dir}.
 
     The runs start together, one thread per process, to fill the CPUs without oversubscribing them.
     """
@@ -80,6 +80,7 @@ def start_runs(tmp_path_factory, common: list[str], strategies: dict[str, list[s
         logs = "".join(p.read_text() for p in run_dir.glob("*.log"))
         footprint = [int(b) for b in re.findall(r"model footprint on this rank: .* = (\d+) bytes", logs)]
         out[name] = {**torch.load(log_dir / "record.pt"), "metrics": read_metrics(run_dir), "footprint": footprint}
+        out[name]["run_dir"] = run_dir
     return out
 
 

@@ -9,6 +9,8 @@ one block per rank.
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 
 from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, start_runs
@@ -20,13 +22,25 @@ PIPE = [o for o in TINY if not o.startswith("model.net.n_layer=")] + ["model.net
 # into steps of ~1e-6 (measured: <= 4.5e-6 everywhere, 6.9e-6 in one of the head's 8192 elements).
 PARAM_ATOL = 1e-5
 PP = ["strategy=pp", "strategy.pipeline_parallel_size=2"]
+THROUGHPUT = [  # logged every 2 steps, with the bubble of the schedule
+    "+callbacks.throughput._target_=mlproject.callbacks.throughput.Throughput",
+    "+callbacks.throughput.samples_per_step=16",
+    "trainer.log_every_n_steps=2",
+]
 STRATEGIES = {
     "single": ["strategy=single"],
     # 8 sequences per data-parallel rank: gpipe in 2 micro-batches of 4, the 1F1B schedules in 4 of 2
-    "gpipe": [*PP, "trainer.devices=2", "strategy.pipeline.schedule=gpipe", "strategy.pipeline.microbatches=2"],
+    "gpipe": [
+        *PP,
+        *THROUGHPUT,
+        "trainer.devices=2",
+        "strategy.pipeline.schedule=gpipe",
+        "strategy.pipeline.microbatches=2",
+    ],
     "1f1b": [*PP, "trainer.devices=2", "strategy.pipeline.schedule=1f1b", "strategy.pipeline.microbatches=4"],
     "interleaved_1f1b": [
         *PP,
+        *THROUGHPUT,
         "trainer.devices=2",
         "strategy.pipeline.schedule=interleaved_1f1b",
         "strategy.pipeline.microbatches=4",
@@ -63,6 +77,18 @@ def test_each_stage_holds_its_share(runs):
     pp_fsdp = runs["pp_fsdp"]["footprint"]
     assert sum(pp_fsdp) == single + 69 * 4 and max(pp_fsdp) < 0.35 * single
     assert max(runs["pp_tp"]["footprint"]) < min(runs["1f1b"]["footprint"])  # TP splits each stage's blocks too
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the first test waits for all runs
+@pytest.mark.parametrize("name, bubble", [("gpipe", 1 / 3), ("interleaved_1f1b", 1 / 9)])
+def test_throughput_reports_the_bubble(runs, name, bubble):
+    """(P - 1) / (V M + P - 1): P = 2 stages, M = 2 micro-batches (gpipe) or V = 2 stages per rank of M = 4."""
+    (logged,) = runs[name]["run_dir"].rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(logged.open()) if r.get("perf/pipeline_bubble")]
+    assert {int(r["step"]) for r in rows} == {3, 5}  # every 2nd of 6 steps, after the first interval
+    assert all(float(r["perf/pipeline_bubble"]) == pytest.approx(bubble) for r in rows)
+    assert all(float(r["perf/samples_per_sec"]) > 0 for r in rows)
 
 
 @pytest.mark.parametrize(

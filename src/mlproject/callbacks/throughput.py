@@ -1,5 +1,6 @@
 """Training throughput in the loggers and the progress output: perf/samples_per_sec, perf/tokens_per_sec
-(models of token sequences) and perf/mfu (model FLOPs utilisation, where the GPU's peak is known).
+(models of token sequences), perf/mfu (model FLOPs utilisation, where the GPU's peak is known) and, under
+pipeline parallelism, perf/pipeline_bubble (the share of a step a rank idles in its schedule's ideal timing).
 
 Measured over each interval of `trainer.log_every_n_steps` optimizer steps, at the steps Lightning logs at.
 Lightning's ThroughputMonitor synchronizes the GPU at every step for its clock (and its peak table lists
@@ -32,6 +33,7 @@ class Throughput(Callback):
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
         self.peak: float | None = None
         self.flops_per_token: int | None = None
+        self.pipeline = None  # the module's Pipeline under pipeline parallelism
         self._start: tuple[int, float] | None = None  # (global step, time) where the interval began
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -39,6 +41,7 @@ class Throughput(Callback):
         if device.type == "cuda" and "bf16" in str(trainer.precision):
             self.peak = peak_flops(torch.cuda.get_device_name(device))
         self.flops_per_token = getattr(pl_module, "flops_per_token", None)
+        self.pipeline = getattr(pl_module, "pipeline", None)
         self._start = None
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
@@ -55,6 +58,8 @@ class Throughput(Callback):
                 tokens = metrics["perf/tokens_per_sec"] = samples * self.tokens_per_sample
                 if self.flops_per_token and self.peak:
                     metrics["perf/mfu"] = self.flops_per_token * tokens / (self.peak * trainer.world_size)
+            if self.pipeline is not None:
+                metrics["perf/pipeline_bubble"] = self.pipeline.bubble
             pl_module.log_dict(metrics)  # this rank's clock: no collective
         self._start = (step, now)
 

@@ -77,6 +77,7 @@ class Pipeline:
         self.schedule_name, self.microbatches = schedule, microbatches
         self.num_stages = mesh.size() * stages_per_rank(schedule)
         self.first, self.last = 0 in views, self.num_stages - 1 in views
+        self.bubble = bubble_fraction(schedule, mesh.size(), microbatches)
         self.train_schedule = self._schedule(loss_fn)
         self.eval_schedule, self.eval_batch = None, 0
 
