@@ -171,3 +171,58 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
     print("max |param - straight run's|:", diffs)
     assert all(d < CLOSE for d in diffs.values()), diffs
     assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 7 runs of 1-4 processes one after another
+def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
+    """strategy=pp on 2 processes (stages of 2 blocks, 1f1b) checkpoints under the single process's keys: killed
+    after the epoch-2 checkpoint and resumed on the same layout it ends bitwise equal to a straight run. From
+    that checkpoint it resumes as interleaved_1f1b x FSDP 2 on 4 processes (each rank blocks i and i + 2, each
+    stage sharded), into one process from that run's mid-epoch checkpoint, and as plain FSDP on 2 (pp 1), each
+    ending where the straight run does up to the order of reductions (measured <= 5.7e-8); it exports to one
+    plain state dict and one process evaluates it (the test metrics of the straight run)."""
+    gpt = [o for o in GPT if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]  # 4 stages
+    pp2 = [*gpt, *strategy("pp", 2)]
+    train(tmp_path, "straight", *pp2, test=True)
+    straight = weights(last(tmp_path, "straight"))
+    proc = train(tmp_path, "epoch", *pp2, "ckpt_path=auto", *kill_at(12), check=False)
+    assert proc.returncode != 0
+    epoch2 = tmp_path / "epoch2.ckpt"
+    shutil.copytree(last(tmp_path, "epoch"), epoch2)
+    train(tmp_path, "epoch", *pp2, "ckpt_path=auto")
+    assert_bitwise(straight, weights(last(tmp_path, "epoch")))
+    assert epoch_metrics(run_dir(tmp_path, "epoch")) == epoch_metrics(run_dir(tmp_path, "straight"))
+
+    diffs = {}
+    interleaved = [
+        *gpt,
+        *strategy("pp", 4),
+        "strategy.pipeline.schedule=interleaved_1f1b",
+        "strategy.pipeline.microbatches=2",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+    ]
+    proc = train(tmp_path, "interleaved", *interleaved, f"ckpt_path={epoch2}", *kill_at(15), check=False)
+    assert proc.returncode != 0
+    train(tmp_path, "single", *gpt, *strategy("single"), f"ckpt_path={last(tmp_path, 'interleaved')}")
+    diffs["pp 2 -> interleaved pp 2 x fsdp 2 -> single"] = max_diff(straight, weights(last(tmp_path, "single")))
+    train(tmp_path, "fsdp", *gpt, *strategy("fsdp", 2), f"ckpt_path={epoch2}")
+    diffs["pp 2 -> fsdp 2 (pp 1)"] = max_diff(straight, weights(last(tmp_path, "fsdp")))
+    print("max |param - straight run's|:", diffs)
+    assert all(d < CLOSE for d in diffs.values()), diffs
+
+    assert_export_matches(last(tmp_path, "straight"), tmp_path / "pp.pt", torch.randint(0, 256, (2, 32)))
+    best = max(run_dir(tmp_path, "straight").glob("checkpoints/epoch_*.ckpt"))
+    run(
+        "eval",
+        "model=gpt",
+        "data=text",
+        "trainer=cpu",
+        *DATA,
+        f"ckpt_path={best}",
+        "extras.print_config=false",
+        log_dir=tmp_path,
+    )
+    (eval_dir,) = (tmp_path / "eval" / "runs").iterdir()
+    tested = json.loads((eval_dir / "metrics.json").read_text())
+    assert tested == pytest.approx(json.loads((run_dir(tmp_path, "straight") / "metrics.json").read_text()), rel=1e-5)

@@ -126,6 +126,22 @@ class ModelParallel(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
+    def optimizer_state(self, optimizer) -> dict:
+        # A pipeline stage's param_groups name only its own parameters, and DCP saves such a non-tensor value from
+        # one rank only: list every stage's, in the single process's order, so that the checkpoint's groups name
+        # every parameter (a resume on any layout, load_full's positions for a single process).
+        import torch.distributed as dist
+
+        state = super().optimizer_state(optimizer)
+        pipeline = getattr(self.lightning_module, "pipeline", None)
+        if pipeline is None:
+            return state
+        stages = [None] * pipeline.mesh.size()
+        dist.all_gather_object(stages, [g["params"] for g in state["param_groups"]], group=pipeline.mesh.get_group())
+        for i, group in enumerate(state["param_groups"]):
+            group["params"] = sorted({name for stage in stages for name in stage[i]}, key=pipeline.order.__getitem__)
+        return state
+
     def setup(self, trainer) -> None:
         # Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be silently ignored.
         # BatchNorm's buffers are not sharded, and its parameters are gathered whole when the layer runs.
@@ -278,10 +294,11 @@ def parallelize(
         from mlproject.distributed.pipeline import Pipeline, split
 
         schedule, microbatches = strategy.pipeline["schedule"], strategy.pipeline["microbatches"]
+        order = {name: i for i, (name, _) in enumerate(pl_module.named_parameters())}  # before the split
         views = split(net, pp.get_local_rank(), pp.size(), schedule, **pipeline)
         for view in views.values():
             shard(view, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
-        pl_module.pipeline = Pipeline(views, pp, strategy.root_device, schedule, microbatches, loss_fn)
+        pl_module.pipeline = Pipeline(views, pp, strategy.root_device, schedule, microbatches, loss_fn, order)
     else:
         shard(net, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
     set_batch_group(net, meshes["data_parallel"].get_group())

@@ -70,10 +70,11 @@ class Pipeline:
     """Runs this rank's stages on a schedule: `step` trains (forward and backward of every micro-batch, with the
     gradients of the mean of the micro-batches' mean losses, the single process's for equal micro-batches),
     calling it evaluates. Both take the whole per-rank batch; only the first stage reads the inputs, only the
-    last the targets."""
+    last the targets. `order`: the position of each parameter name of the whole LightningModule in the single
+    process (checkpoints list the optimizer's parameters in it: ModelParallel.optimizer_state)."""
 
-    def __init__(self, views: dict, mesh, device, schedule: str, microbatches: int, loss_fn):
-        self.views, self.mesh, self.device = views, mesh, device
+    def __init__(self, views: dict, mesh, device, schedule: str, microbatches: int, loss_fn, order: dict):
+        self.views, self.mesh, self.device, self.order = views, mesh, device, order
         self.schedule_name, self.microbatches = schedule, microbatches
         self.num_stages = mesh.size() * stages_per_rank(schedule)
         self.first, self.last = 0 in views, self.num_stages - 1 in views
