@@ -25,6 +25,9 @@ GPT_85M = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_lay
 GPT_85M += ["model.net.n_embd=768", "data.block_size=64"]
 
 
+PIPE = ["strategy=pp", "strategy.pipeline_parallel_size=2", "trainer.devices=2"]
+
+
 def world(n: int) -> list[str]:
     """n ranks in nodes of 8, 8 sequences per rank."""
     strategy = "strategy=single" if n == 1 else "strategy=ddp"
@@ -106,3 +109,53 @@ def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
         err
     )  # 4 nodes: shard in a node, replicate across
     assert submit.main(["--dry-run", "--no-plan", *too_small]) == 0  # the flag skips the plan
+
+
+def test_a_pipeline_stage_per_node(compose_cfg):
+    """Two nodes of 8: pp with a stage per node comes between HSDP and FSDP (1F1B on 2 micro-batches per
+    stage), and each of its ranks holds half the blocks sharded over the node: ~1/16 of the model, as FSDP
+    over 16 does."""
+    two_nodes = ["trainer.devices=8", "trainer.num_nodes=2", "data.batch_size=128"]
+    cfg = compose_cfg(*GPT_85M, *two_nodes, "strategy=ddp")
+    pp = ["strategy=pp", "strategy.pipeline_parallel_size=2", "strategy.pipeline.schedule=1f1b"]
+    assert planner.candidates(cfg, Topology.of(cfg))[1:4] == [
+        ["strategy=hsdp"],
+        [*pp, "strategy.pipeline.microbatches=4"],
+        ["strategy=fsdp"],
+    ]
+    single = planner.estimate(compose_cfg(*GPT_85M, *world(1)))
+    cfg = compose_cfg(*GPT_85M, *two_nodes, *pp, "strategy.pipeline.microbatches=4")
+    first, last = (planner.estimate(cfg, rank=rank) for rank in (0, 8))
+    assert first.params == pytest.approx(single.params / 16, rel=0.01) == last.params
+    cfg = compose_cfg(*GPT_85M, *two_nodes, "strategy=ddp", "model.net.n_layer=11")  # no 2 equal stages
+    assert ["strategy=fsdp"] in planner.candidates(cfg, Topology.of(cfg))
+    assert not any("strategy=pp" in layout for layout in planner.candidates(cfg, Topology.of(cfg)))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "in_flight"),
+    [("gpipe", 2, [2, 2]), ("1f1b", 4, [2, 1]), ("interleaved_1f1b", 4, [5 / 2, 3 / 2])],
+)
+def test_pipeline_activations_are_the_stages_times_the_micro_batches_in_flight(
+    compose_cfg, schedule, microbatches, in_flight
+):
+    """2 stages on 2 ranks: with one micro-batch the ranks' activations add up to the whole network's (each saved
+    tensor counted once, the loss on the last stage); with M, each rank holds a micro-batch of 1/M the batch
+    as many times as the schedule keeps in flight: GPipe all M, 1F1B P - rank, interleaved torch's warm-up + 1
+    stage forwards (of V M), each one of the rank's V stages."""
+    from mlproject.distributed.pipeline import in_flight as forwards
+
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    assert [forwards(schedule, 2, microbatches, rank) / v for rank in (0, 1)] == in_flight
+    # narrow and long, so that the weights matmuls save (counted once, not per micro-batch) are ~1% of the rest
+    small = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_layer=4", "model.net.n_embd=32"]
+    small += ["data.block_size=64", "data.batch_size=64"]
+    single = planner.estimate(compose_cfg(*small, "strategy=single"))
+    pipe = [*small, *PIPE, f"strategy.pipeline.schedule={schedule}"]
+    one = [planner.estimate(compose_cfg(*pipe, "strategy.pipeline.microbatches=1"), rank=rank) for rank in (0, 1)]
+    assert sum(row.activations for row in one) == single.activations
+    assert sum(row.params + row.optimizer for row in one) == single.params + single.optimizer
+    cfg = compose_cfg(*pipe, f"strategy.pipeline.microbatches={microbatches}")
+    for rank, stage in enumerate(one):
+        planned = planner.estimate(cfg, rank=rank).activations
+        assert planned == pytest.approx(stage.activations / microbatches * in_flight[rank], rel=0.02)

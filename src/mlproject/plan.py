@@ -5,7 +5,8 @@ meta device (no memory, no weights), sharded by its own configure_model on a fak
 world size (torch's "fake" backend: collectives return at once, so 512 ranks take seconds), and given one
 AdamW step so the optimizer state exists. What one rank then holds is counted the way the footprint line
 counts it in a real run. DeepSpeed layouts use DeepSpeed's own estimators. The cheapest layout that fits the
-device memory is recommended: DDP, else HSDP (several nodes), else FSDP, else FSDP x TP, else ZeRO-3 + offload.
+device memory is recommended: DDP, else HSDP (several nodes), else a pipeline stage per node (several nodes,
+a model whose plan has a `pipeline`), else FSDP, else FSDP x TP, else ZeRO-3 + offload.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from omegaconf import DictConfig
@@ -71,8 +72,8 @@ def meta_model(cfg: DictConfig):
 
 def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes on this rank under a torch strategy (single, ddp, fsdp, tp,
-    fsdp_tp, hsdp, expert parallel): DDP replicates, model-parallel layouts run the model's configure_model on
-    the target mesh."""
+    fsdp_tp, hsdp, expert and pipeline parallel): DDP replicates, model-parallel layouts run the model's
+    configure_model on the target mesh (under pp: this rank's stages only, each sharded over its stage's ranks)."""
     import torch
     from hydra.utils import instantiate
 
@@ -94,35 +95,74 @@ def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int]:
     return local_bytes(model.parameters()), local_bytes(p.grad for p in params), local_bytes(state)
 
 
+def stage_modules(net, pipeline: dict, rank: int, size: int, schedule: str) -> list:
+    """The modules pipeline rank `rank` runs: its stages' blocks, and the `first` and `last` modules where it
+    holds the first or the last stage (the views of distributed/pipeline.py, leaving `net` whole)."""
+    from mlproject.distributed.pipeline import stage_view, stages_per_rank
+
+    num_stages = size * stages_per_rank(schedule)
+    views = [stage_view(net, s, num_stages, **pipeline) for s in range(rank, num_stages, size)]
+    ends = (*pipeline.get("first", ()), *pipeline.get("last", ()))
+    modules = []
+    for view in views:
+        modules += [*getattr(view, pipeline["layers"]).values(), *(getattr(view, name) for name in ends)]
+    return [m for m in modules if m is not None]
+
+
 def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
     """Bytes autograd saves for backward in one training step of one per-device micro-batch: the model's own
     training_step runs on the meta device with TP and activation checkpointing applied as configured (FSDP
-    does not change them), under a hook that sums every tensor saved for backward."""
+    does not change them), under a hook that sums every tensor saved for backward.
+
+    Under pipeline parallelism a rank runs its stages only, on micro-batches of per-device batch / M, and holds
+    several at once: the whole network's training_step runs on one micro-batch, the hook counts only what is
+    saved while this rank's stage modules run (and the loss, outside the network, on the last stage), and that
+    is multiplied by the stage forwards the schedule keeps in flight at its peak (pipeline.in_flight: GPipe M,
+    1F1B P - rank), divided by the stages per rank (interleaved: a forward runs one of its two stages, taken
+    as half of both)."""
+    import collections
+
     import torch
     from hydra.utils import instantiate
     from torchmetrics import Metric
 
     from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
+    from mlproject.distributed.pipeline import in_flight, stages_per_rank
 
     model = meta_model(cfg)
     plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
-    if topology.tensor_parallel_size > 1:
-        apply_tp(model, named_meshes(topology, "cpu")["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
+    tp, pp = topology.tensor_parallel_size, topology.pipeline_parallel_size
+    meshes = named_meshes(topology, "cpu") if tp > 1 or pp > 1 else {}
+    if tp > 1:
+        apply_tp(model, meshes["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
     if fsdp.get("activation_checkpointing"):
         apply_ac(model, plan.get("blocks", []))
     for metric in model.modules():  # metrics save nothing for backward, and bincount has no meta kernel
         if isinstance(metric, Metric):
             metric.update = lambda *args, **kwargs: None
+    batch, copies, rank = topology.per_device_batch_size, 1.0, 0
+    inside = collections.Counter()  # forwards under way of this rank's stage modules and of the whole network
+    if pp > 1:
+        schedule, microbatches = cfg.strategy.pipeline.schedule, cfg.strategy.pipeline.microbatches
+        rank = meshes["pipeline"].get_local_rank()
+        batch //= microbatches
+        copies = in_flight(schedule, pp, microbatches, rank) / stages_per_rank(schedule)
+        stages = stage_modules(model.net, dict(plan.pipeline), rank, pp, schedule)
+        for key, modules in (("stage", stages), ("net", [model.net])):
+            for m in modules:
+                m.register_forward_pre_hook(lambda *_, key=key: inside.update([key]))
+                m.register_forward_hook(lambda *_, key=key: inside.subtract([key]))
     data = instantiate(cfg.data)
     x, y = data.splits()[0][0]
     x, y = (torch.as_tensor(t) for t in (x, y))
-    batch = topology.per_device_batch_size
     x, y = (torch.empty((batch, *t.shape), dtype=t.dtype, device="meta") for t in (x, y))
-    saved = 0
+    params = {id(p) for p in model.parameters()}
+    saved = collections.Counter()  # bytes of parameters (a matmul saves its weight) and of the rest
 
     def count(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
+        # under a pipeline: what this rank's stages save, and the loss (outside the network) on the last stage
+        if pp == 1 or inside["stage"] > 0 or (rank == pp - 1 and inside["net"] == 0):
+            saved[id(t if t._base is None else t._base) in params] += t.numel() * t.element_size()
         return t
 
     # 16-bit mixed precision keeps weights in fp32 but most saved activations (matmul inputs) in 16 bits
@@ -130,7 +170,8 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer
         model.training_step((x, y, torch.arange(batch, device="meta")), 0)
-    return saved // 2 if mixed else saved
+    # the micro-batches in flight share the parameters they save
+    return (int(saved[False] * copies) + saved[True]) // (2 if mixed else 1)
 
 
 def deepspeed_states(cfg: DictConfig, topology: Topology, stage: int, offload: bool) -> int:
@@ -162,9 +203,19 @@ def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
     return Row(layout, params + grads + optimizer, activations, params, grads, optimizer)
 
 
+def largest(cfg: DictConfig, layout: str) -> Row:
+    """The row of the rank that holds the most: rank 0 (FSDP gives it the largest shards), or under pp the first
+    rank of the last stage where that holds more (the head, the loss); a middle stage holds fewer modules and
+    no more micro-batches in flight than the first."""
+    topology = Topology.of(cfg)
+    last = topology.world_size - topology.world_size // topology.pipeline_parallel_size
+    return max((estimate(cfg, layout, rank) for rank in {0, last}), key=lambda row: row.total)
+
+
 def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
-    allows: FSDP for any model (HSDP across nodes), TP inside a node where the model's plan splits layers."""
+    allows: FSDP for any model (HSDP across nodes), pipeline stages across nodes where the model's plan has a
+    `pipeline` (pipeline_layout), TP inside a node where the model's plan splits layers."""
     import importlib.util
 
     plan = cfg.model.get("parallel")
@@ -174,6 +225,11 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     layouts = [["strategy=ddp"], ["strategy=fsdp"]]
     if topology.nodes > 1:  # shards within a node, replicas across: fewer bytes over the slower links
         layouts.insert(1, ["strategy=hsdp"])
+        # pp after HSDP and before FSDP: a stage per node holds ~1/world of the model, as FSDP does, and sends
+        # only activations between nodes, point to point, where FSDP gathers every block across them; its
+        # bubble leaves GPUs idle, so HSDP (gradients alone cross nodes) comes first where it fits
+        if plan and plan.get("pipeline") and (pipeline := pipeline_layout(cfg, topology)):
+            layouts.insert(2, pipeline)
     if plan:
         heads = (cfg.model.get("net") or {}).get("n_head") or 0
         sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
@@ -183,6 +239,29 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     if zero:
         layouts.append(["strategy=deepspeed_stage_3_offload"])
     return layouts
+
+
+def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
+    """strategy=pp with a stage per node, FSDP in each node, 1F1B on two micro-batches per stage (bubble
+    (P - 1) / (3P - 1), under a third), if preflight accepts it (the blocks divide into the stages, the batch
+    into the micro-batches, no accumulation); else None."""
+    from omegaconf import OmegaConf
+
+    from mlproject.distributed.strategies import check_pipeline
+
+    stages, microbatches = topology.nodes, 2 * topology.nodes
+    pipeline = {"schedule": "1f1b", "microbatches": microbatches}
+    shape = replace(topology, strategy="fsdp", tensor_parallel_size=1, replicate_size=1, expert_parallel_size=1)
+    shape = replace(shape, pipeline_parallel_size=stages)
+    try:
+        check_pipeline(OmegaConf.create({"model": cfg.model, "strategy": {"pipeline": pipeline}}), shape.validate())
+    except ConfigError:
+        return None
+    return [
+        "strategy=pp",
+        f"strategy.pipeline_parallel_size={stages}",
+        *(f"strategy.pipeline.{key}={value}" for key, value in pipeline.items()),
+    ]
 
 
 def device_memory(cfg: DictConfig) -> int | None:
@@ -220,10 +299,11 @@ def plan(overrides: list[str]) -> Plan:
     topology = Topology.of(cfg).validate()
     check_model_parallel(cfg, topology)  # e.g. heads that do not divide by the TP size
     given = [o for o in overrides if o.startswith("strategy")]
-    configured = estimate(cfg, " ".join(given) or f"strategy={topology.strategy}")
+    configured = largest(cfg, " ".join(given) or f"strategy={topology.strategy}")
+    others = [o for o in overrides if o not in given]  # a candidate's strategy replaces the configured one whole
     rows = []
     for layout in candidates(cfg, topology):
-        rows.append(estimate(compose("train", [*overrides, *layout]), " ".join(layout)))
+        rows.append(largest(compose("train", [*others, *layout]), " ".join(layout)))
     return Plan(topology, configured, rows, device_memory(cfg))
 
 
@@ -244,6 +324,7 @@ def print_plan(result: Plan) -> None:
     best = result.recommended
     for row in [result.configured, *result.rows]:
         label = row.layout.replace("strategy=", "").replace("strategy.tensor_parallel_size=", "tp=")
+        label = label.replace("strategy.pipeline_parallel_size=", "pp=").replace("strategy.pipeline.", "")
         mark = " (configured)" if row is result.configured else " <- use" if row is best else ""
         fits = {None: "?", True: "yes", False: "no"}[result.fits(row)]
         cells = [size(c) if c is not None else "-" for c in (row.params, row.grads, row.optimizer)]
@@ -251,7 +332,8 @@ def print_plan(result: Plan) -> None:
     Console(width=max(Console().width, 100)).print(table)
     print(
         "params/grads/optimizer: the real sharding on a fake process group (DeepSpeed: its estimator, the three in "
-        "one); activations: saved for backward by one micro-batch's training step (docs/planning.md)"
+        "one); activations: saved for backward by one micro-batch's training step, under pp by the micro-batches its "
+        "schedule keeps in flight (docs/planning.md); pp: the first or the last stage, whichever holds more"
     )
     if best is None and result.memory:
         print(f"no layout fits in {size(result.memory)}: {NO_FIT}")

@@ -112,3 +112,17 @@ def test_impossible_pipelines_refused(compose_cfg, overrides, message):
     cfg = compose_cfg(*base, "trainer.devices=2", *overrides)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         preflight(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the first test waits for all runs
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "pp_fsdp", "pp_tp"])
+def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
+    """mlproject.plan on a fake process group: rank r is on stage r // (world / P), holds that stage's modules only,
+    sharded over its data-parallel ranks (pp_fsdp) or split by TP (pp_tp), against the footprint of the real run."""
+    from mlproject.plan import estimate
+
+    cfg = compose_cfg(*PIPE, *STRATEGIES[name])
+    measured = runs[name]["footprint"]
+    planned = [(row := estimate(cfg, rank=rank)).params + row.optimizer for rank in range(len(measured))]
+    assert sorted(planned) == sorted(measured)  # the logs of the ranks are read in no particular order

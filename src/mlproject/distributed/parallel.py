@@ -298,7 +298,7 @@ def parallelize(
         views = split(net, pp.get_local_rank(), pp.size(), schedule, **pipeline)
         for view in views.values():
             shard(view, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
-        pl_module.pipeline = Pipeline(views, pp, strategy.root_device, schedule, microbatches, loss_fn, order)
+        pl_module.pipeline = Pipeline(views, pp, schedule, microbatches, loss_fn, order)
     else:
         shard(net, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
     set_batch_group(net, meshes["data_parallel"].get_group())

@@ -38,6 +38,20 @@ def bubble_fraction(schedule: str, size: int, microbatches: int) -> float:
     return (size - 1) / (v * microbatches + size - 1)
 
 
+def in_flight(schedule: str, size: int, microbatches: int, rank: int) -> int:
+    """Forwards of one stage on one micro-batch whose activations pipeline rank `rank` holds at its peak, in
+    torch's schedules: GPipe runs every forward before the first backward (M); 1F1B runs P - rank forwards
+    before its first backward (the first stage P); interleaved 1F1B warms up with (V - 1) m + 2 (P - 1 - rank)
+    forwards, m = M / max(1, M // P) the micro-batches of a round, and runs one more before its first backward
+    (at most all V M)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, size - rank)
+    v, per_round = stages_per_rank(schedule), microbatches // max(1, microbatches // size)
+    return min((v - 1) * per_round + 2 * (size - 1 - rank) + 1, v * microbatches)
+
+
 def stage_view(net: nn.Module, stage: int, num_stages: int, layers: str, first=(), last=()) -> nn.Module:
     """`net` as pipeline stage `stage` sees it: its share of the `layers` blocks (a ModuleDict), the `first`
     modules on the first stage only and the `last` ones on the last stage only (None elsewhere: the network's
@@ -73,16 +87,18 @@ class Pipeline:
     last the targets. `order`: the position of each parameter name of the whole LightningModule in the single
     process (checkpoints list the optimizer's parameters in it: ModelParallel.optimizer_state)."""
 
-    def __init__(self, views: dict, mesh, device, schedule: str, microbatches: int, loss_fn, order: dict):
-        self.views, self.mesh, self.device, self.order = views, mesh, device, order
+    def __init__(self, views: dict, mesh, schedule: str, microbatches: int, loss_fn, order: dict):
+        self.views, self.mesh, self.loss_fn, self.order = views, mesh, loss_fn, order
         self.schedule_name, self.microbatches = schedule, microbatches
         self.num_stages = mesh.size() * stages_per_rank(schedule)
         self.first, self.last = 0 in views, self.num_stages - 1 in views
         self.bubble = bubble_fraction(schedule, mesh.size(), microbatches)
-        self.train_schedule = self._schedule(loss_fn)
-        self.eval_schedule, self.eval_batch = None, 0
+        # built at first use, on the device of the batch: configure_model splits and shards without one (the
+        # memory planner runs it on a fake process group)
+        self.train_schedule = self.eval_schedule = None
+        self.eval_batch = 0
 
-    def _schedule(self, loss_fn):
+    def _schedule(self, loss_fn, device):
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -91,7 +107,7 @@ class Pipeline:
         )
 
         group = self.mesh.get_group()
-        stages = [PipelineStage(view, s, self.num_stages, self.device, group=group) for s, view in self.views.items()]
+        stages = [PipelineStage(view, s, self.num_stages, device, group=group) for s, view in self.views.items()]
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
         single = stages_per_rank(self.schedule_name) == 1
         # scale_grads: gradients divided by the micro-batches, as the loss is their mean
@@ -103,11 +119,13 @@ class Pipeline:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Train on one batch; returns its loss on every rank of the pipeline (one scalar broadcast from the last
         stage, so that the loss is logged, reduced and monitored as under every other strategy)."""
+        if self.train_schedule is None:
+            self.train_schedule = self._schedule(self.loss_fn, x.device)
         losses: list[torch.Tensor] = []
         for view in self.views.values():  # the schedule adds every micro-batch's gradients to .grad
             view.zero_grad()
         self.train_schedule.step(*self._inputs(x), target=y, losses=losses, return_outputs=False)
-        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=self.device)
+        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=x.device)
         torch.distributed.broadcast(loss, group=self.mesh.get_group(), group_src=self.mesh.size() - 1)
         return loss
 
@@ -118,7 +136,7 @@ class Pipeline:
         batch is padded to it (the pad rows' outputs are dropped), so a short last batch runs too."""
         if self.eval_schedule is None:
             self.eval_batch = -(-len(x) // self.microbatches) * self.microbatches
-            self.eval_schedule = self._schedule(None)
+            self.eval_schedule = self._schedule(None, x.device)
         n = len(x)
         padded = F.pad(x, (0, 0, 0, self.eval_batch - n))
         logits = self.eval_schedule.step(*self._inputs(padded))
