@@ -159,3 +159,16 @@ def test_pipeline_activations_are_the_stages_times_the_micro_batches_in_flight(
     for rank, stage in enumerate(one):
         planned = planner.estimate(cfg, rank=rank).activations
         assert planned == pytest.approx(stage.activations / microbatches * in_flight[rank], rel=0.02)
+
+
+def test_ema_holds_one_more_copy_of_the_weights(compose_cfg):
+    """callbacks.ema clones every trainable parameter, sharded like it: one more params column per rank; and no
+    DeepSpeed candidate, which refuses the EMA."""
+    small = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_layer=2", "model.net.n_embd=32"]
+    cfg = compose_cfg(*small, *world(8), "callbacks=[default,ema]")
+    assert all("deepspeed" not in " ".join(layout) for layout in planner.candidates(cfg, Topology.of(cfg)))
+    for strategy in ("strategy=ddp", "strategy=fsdp"):
+        plain = planner.estimate(compose_cfg(*small, *world(8), strategy))
+        ema = planner.estimate(compose_cfg(*small, *world(8), strategy, "callbacks=[default,ema]"))
+        assert plain.ema == 0 and ema.ema == ema.params == plain.params
+        assert ema.states == plain.states + plain.params

@@ -34,11 +34,12 @@ class Row:
     """What one rank of one layout holds, in bytes. DeepSpeed's estimators give the model states as one sum."""
 
     layout: str  # the strategy overrides, e.g. "strategy=fsdp"
-    states: int  # parameters + gradients + optimizer state
+    states: int  # parameters + gradients + optimizer state + EMA weights
     activations: int
     params: int | None = None
     grads: int | None = None
     optimizer: int | None = None
+    ema: int = 0  # callbacks.ema: one more copy of the trainable parameters, sharded like them
 
     @property
     def total(self) -> int:
@@ -70,8 +71,8 @@ def meta_model(cfg: DictConfig):
     return model.to(dtype) if dtype else model
 
 
-def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes on this rank under a torch strategy (single, ddp, fsdp, tp,
+def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int]:
+    """(parameter, gradient, optimizer-state, EMA) bytes on this rank under a torch strategy (single, ddp, fsdp, tp,
     fsdp_tp, hsdp, expert and pipeline parallel): DDP replicates, model-parallel layouts run the model's
     configure_model on the target mesh (under pp: this rank's stages only, each sharded over its stage's ranks)."""
     import torch
@@ -92,7 +93,12 @@ def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int]:
     optimizer = torch.optim.AdamW(params)  # both models' optimizer: two moments per parameter, a step count per tensor
     optimizer.step()  # Adam creates its state at the first step
     state = (v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    return local_bytes(model.parameters()), local_bytes(p.grad for p in params), local_bytes(state)
+    ema = local_bytes(params) if ema_configured(cfg) else 0  # callbacks/ema.py clones each trainable parameter
+    return local_bytes(model.parameters()), local_bytes(p.grad for p in params), local_bytes(state), ema
+
+
+def ema_configured(cfg: DictConfig) -> bool:
+    return "ema" in (cfg.get("callbacks") or {})
 
 
 def stage_modules(net, pipeline: dict, rank: int, size: int, schedule: str) -> list:
@@ -199,8 +205,8 @@ def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
         if topology.strategy == "deepspeed":
             stage, offload = int(cfg.strategy.get("stage", 2)), bool(cfg.strategy.get("offload"))
             return Row(layout, deepspeed_states(cfg, topology, stage, offload), activations)
-        params, grads, optimizer = model_states(cfg, topology)
-    return Row(layout, params + grads + optimizer, activations, params, grads, optimizer)
+        params, grads, optimizer, ema = model_states(cfg, topology)
+    return Row(layout, params + grads + optimizer + ema, activations, params, grads, optimizer, ema)
 
 
 def largest(cfg: DictConfig, layout: str) -> Row:
@@ -221,7 +227,8 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     plan = cfg.model.get("parallel")
     zero = importlib.util.find_spec("deepspeed") is not None
     if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
-        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if zero else [])]
+        offload = zero and not ema_configured(cfg)
+        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if offload else [])]
     layouts = [["strategy=ddp"], ["strategy=fsdp"]]
     if topology.nodes > 1:  # shards within a node, replicas across: fewer bytes over the slower links
         layouts.insert(1, ["strategy=hsdp"])
@@ -236,7 +243,7 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
         sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
         if plan.get("colwise") and sizes:
             layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
-    if zero:
+    if zero and not ema_configured(cfg):  # DeepSpeed keeps the weights in its own partitions: no EMA there
         layouts.append(["strategy=deepspeed_stage_3_offload"])
     return layouts
 
@@ -319,7 +326,8 @@ def print_plan(result: Plan) -> None:
         f"{size(result.memory)} per device" if result.memory else "device memory unknown: set cluster.gpu_memory_gb"
     )
     table = Table(title=f"per rank of {result.topology.world_size}; {memory}", title_justify="left")
-    for column in ("layout", "params", "grads", "optimizer", "activations", "total", "fits"):
+    ema = any(row.ema for row in [result.configured, *result.rows])
+    for column in ("layout", "params", "grads", "optimizer", *(["ema"] if ema else []), "activations", "total", "fits"):
         table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
     best = result.recommended
     for row in [result.configured, *result.rows]:
@@ -328,6 +336,7 @@ def print_plan(result: Plan) -> None:
         mark = " (configured)" if row is result.configured else " <- use" if row is best else ""
         fits = {None: "?", True: "yes", False: "no"}[result.fits(row)]
         cells = [size(c) if c is not None else "-" for c in (row.params, row.grads, row.optimizer)]
+        cells += [size(row.ema)] if ema else []
         table.add_row(label + mark, *cells, size(row.activations), size(row.total), fits)
     Console(width=max(Console().width, 100)).print(table)
     print(
