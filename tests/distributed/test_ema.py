@@ -1,4 +1,4 @@
-"""EMA weights (callbacks=ema) under single, ddp and fsdp, against an EMA computed by hand from the weights of
+"""EMA weights (callbacks=ema) under single, ddp, fsdp and tp, against an EMA computed by hand from the weights of
 every optimizer step; validation and test metrics from the EMA; eval and export of the EMA; a killed fsdp
 run resumes bitwise, EMA included.
 
@@ -49,6 +49,14 @@ RUNS = {
     "single": [*EMA, *SINGLE],
     "ddp": [*EMA, "strategy=ddp", "trainer.devices=2", "+trainer.val_check_interval=3"],
     "fsdp": [*EMA, "strategy=fsdp", "trainer.devices=2", "+trainer.val_check_interval=3"],
+    # each rank averages its column/row halves; embeddings and norms whole on both
+    "tp": [
+        *EMA,
+        "strategy=tp",
+        "trainer.devices=2",
+        "strategy.tensor_parallel_size=2",
+        "+trainer.val_check_interval=3",
+    ],
 }
 
 
@@ -104,11 +112,11 @@ def hand_losses(ema: dict[str, torch.Tensor], ckpt) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test waits for all runs
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp"])
 def test_ema_is_the_hand_computed_average(runs, name):
     """The checkpoint's EMA is the average of the weights after each optimizer step (the single run
     accumulates 2 micro-batches per step: an update per micro-batch would differ), to the bit in fp32
-    lerp and within fp32 rounding of the float64 formula; fsdp saves it sharded like the parameters."""
+    lerp and within fp32 rounding of the float64 formula; fsdp and tp save it sharded like the parameters."""
     weights = runs[name]["weights"]
     assert len(weights) == STEPS + 1
     state = load_full(runs[name]["ckpt"])["state_dict"]
@@ -119,7 +127,7 @@ def test_ema_is_the_hand_computed_average(runs, name):
         torch.testing.assert_close(ema[k].double(), v, rtol=0, atol=1e-6, msg=k)
     assert max((ema[k] - weights[-1][k]).abs().max() for k in ema) > 1e-2  # not the last weights
     assert_bitwise({k: state[k] for k in ema}, weights[-1])  # the raw weights are the trained ones
-    if name == "fsdp":  # every rank wrote its half of each average
+    if name in ("fsdp", "tp"):  # every rank wrote its half of each average (tp: q is split by columns)
         from torch.distributed.checkpoint import FileSystemReader
 
         chunks = FileSystemReader(runs[name]["ckpt"]).read_metadata().state_dict_metadata
@@ -137,7 +145,7 @@ def test_ema_does_not_change_training(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp"])
 def test_validation_and_test_use_the_ema(runs, name):
     """val/loss (the last validation) and test/loss (the checkpoint, tested) are those of the hand EMA."""
     want = hand_losses(hand_ema(runs[name]["weights"], exact=True), runs[name]["ckpt"])
@@ -149,7 +157,7 @@ def test_validation_and_test_use_the_ema(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["single", "fsdp"])
+@pytest.mark.parametrize("name", ["single", "fsdp", "tp"])
 def test_eval_and_export_take_the_ema(runs, name, tmp_path):
     """export writes the EMA weights (ema=false: the raw ones), and eval's load_module loads them, from a
     file (single) or a sharded directory (fsdp)."""
