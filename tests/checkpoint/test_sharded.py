@@ -44,6 +44,7 @@ GPT = [
     "trainer.max_epochs=3",
 ]
 FSDP2 = [*GPT, *strategy("fsdp", 2)]
+GPT4 = [o for o in GPT if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]  # 2 stages of 2 blocks
 CLOSE = 1e-5  # fp32 after 18 AdamW steps; measured differences are ~1e-7
 
 
@@ -182,8 +183,7 @@ def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
     stage sharded), into one process from that run's mid-epoch checkpoint, and as plain FSDP on 2 (pp 1), each
     ending where the straight run does up to the order of reductions (measured <= 5.7e-8); it exports to one
     plain state dict and one process evaluates it (the test metrics of the straight run)."""
-    gpt = [o for o in GPT if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]  # 4 stages
-    pp2 = [*gpt, *strategy("pp", 2)]
+    pp2 = [*GPT4, *strategy("pp", 2)]
     train(tmp_path, "straight", *pp2, test=True)
     straight = weights(last(tmp_path, "straight"))
     proc = train(tmp_path, "epoch", *pp2, "ckpt_path=auto", *kill_at(12), check=False)
@@ -196,7 +196,7 @@ def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
 
     diffs = {}
     interleaved = [
-        *gpt,
+        *GPT4,
         *strategy("pp", 4),
         "strategy.pipeline.schedule=interleaved_1f1b",
         "strategy.pipeline.microbatches=2",
@@ -204,9 +204,9 @@ def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
     ]
     proc = train(tmp_path, "interleaved", *interleaved, f"ckpt_path={epoch2}", *kill_at(15), check=False)
     assert proc.returncode != 0
-    train(tmp_path, "single", *gpt, *strategy("single"), f"ckpt_path={last(tmp_path, 'interleaved')}")
+    train(tmp_path, "single", *GPT4, *strategy("single"), f"ckpt_path={last(tmp_path, 'interleaved')}")
     diffs["pp 2 -> interleaved pp 2 x fsdp 2 -> single"] = max_diff(straight, weights(last(tmp_path, "single")))
-    train(tmp_path, "fsdp", *gpt, *strategy("fsdp", 2), f"ckpt_path={epoch2}")
+    train(tmp_path, "fsdp", *GPT4, *strategy("fsdp", 2), f"ckpt_path={epoch2}")
     diffs["pp 2 -> fsdp 2 (pp 1)"] = max_diff(straight, weights(last(tmp_path, "fsdp")))
     print("max |param - straight run's|:", diffs)
     assert all(d < CLOSE for d in diffs.values()), diffs
@@ -226,3 +226,27 @@ def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
     (eval_dir,) = (tmp_path / "eval" / "runs").iterdir()
     tested = json.loads((eval_dir / "metrics.json").read_text())
     assert tested == pytest.approx(json.loads((run_dir(tmp_path, "straight") / "metrics.json").read_text()), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 4 runs of 1-4 processes one after another
+def test_checkpoints_of_other_layouts_resume_into_pipeline(tmp_path):
+    """A single process's file checkpoint after epoch 2 resumes as pp 2 on 2 processes; an FSDP 2 run resumed
+    from its epoch-1 checkpoint and killed after epoch 2 resumes from its sharded directory as pp 2 x fsdp 2 on
+    4. Each rank takes its stage's share of the whole network's weights and optimizer state, and each run ends
+    where the straight single run does up to the order of reductions (measured <= 2.8e-7)."""
+    single = [*GPT4, *strategy("single")]
+    train(tmp_path, "straight", *single, "callbacks.model_checkpoint.save_top_k=-1")  # keeps every epoch's
+    straight = weights(last(tmp_path, "straight"))
+    epoch1, epoch2 = (run_dir(tmp_path, "straight") / "checkpoints" / f"epoch_00{i}.ckpt" for i in (0, 1))
+
+    diffs = {}
+    train(tmp_path, "single2pp", *GPT4, *strategy("pp", 2), f"ckpt_path={epoch2}")
+    diffs["single -> pp 2"] = max_diff(straight, weights(last(tmp_path, "single2pp")))
+    # from epoch 1 (not from scratch): 12 steps of FSDP's reduction order would differ by ~5e-6 on their own
+    proc = train(tmp_path, "fsdp", *GPT4, *strategy("fsdp", 2), f"ckpt_path={epoch1}", *kill_at(12), check=False)
+    assert proc.returncode != 0
+    train(tmp_path, "fsdp2pp", *GPT4, *strategy("pp", 4), f"ckpt_path={last(tmp_path, 'fsdp')}")
+    diffs["single -> fsdp 2 -> pp 2 x fsdp 2"] = max_diff(straight, weights(last(tmp_path, "fsdp2pp")))
+    print("max |param - straight run's|:", diffs)
+    assert all(d < CLOSE for d in diffs.values()), diffs

@@ -175,13 +175,13 @@ def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: boo
     os.replace(tmp, out)
 
 
-def name_optimizer_states(checkpoint: dict[str, Any], module: torch.nn.Module, optimizers) -> dict[str, Any]:
-    """Key a full checkpoint's optimizer states by parameter name, in the order of each optimizer's own
-    param groups. Lightning's ModelParallelStrategy maps positions to parameters in module order instead,
-    which is wrong as soon as the groups reorder them (ours: weights with decay, then the rest)."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    for state, optimizer in zip(checkpoint["optimizer_states"], optimizers, strict=True):
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+def name_optimizer_states(checkpoint: dict[str, Any], orders: list[list[list[str]]]) -> dict[str, Any]:
+    """Key a full checkpoint's optimizer states by parameter name: `orders` gives, per optimizer, the names in
+    each of its param groups in the order of the process that wrote the checkpoint (ModelParallel.param_names).
+    Lightning's ModelParallelStrategy maps positions to parameters in module order instead, which is wrong as
+    soon as the groups reorder them (ours: weights with decay, then the rest)."""
+    for state, groups in zip(checkpoint["optimizer_states"], orders, strict=True):
+        order = [name for group in groups for name in group]
         if state["state"] and not isinstance(next(iter(state["state"])), int):
             continue  # already keyed by name
         state["state"] = {order[i]: value for i, value in state["state"].items()}

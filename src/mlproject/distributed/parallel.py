@@ -103,8 +103,8 @@ class ModelParallel(ModelParallelStrategy):
         of every tensor out of it, except that torch's optimizer loader gathers the present optimizer state in
         full on rank 0 (measured: rank 0 holds the full state once more, the others their share). Its optimizer
         state is keyed by position, which Lightning maps to parameters in module order: it is re-keyed by name
-        in the optimizers' own order first (checkpoint/convert.py). A DeepSpeed directory is converted in full
-        on every rank."""
+        in the single process's order of the optimizers' groups first (param_names, checkpoint/convert.py). A
+        DeepSpeed directory is converted in full on every rank."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -119,27 +119,44 @@ class ModelParallel(ModelParallelStrategy):
             return super().load_checkpoint(path, weights_only)
         mapped = path.is_file()
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False) if mapped else load_full(path)
-        name_optimizer_states(checkpoint, self.model, self.optimizers)
+        # Positions count every parameter of the writer, so under a pipeline every stage's names are needed
+        # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
+        name_optimizer_states(checkpoint, [self.param_names(optimizer) for optimizer in self.optimizers])
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        state_dict = checkpoint.pop("state_dict")
+        if getattr(self.lightning_module, "pipeline", None) is not None:
+            # A stage holds only its own modules: the file's other keys are the other stages', not unexpected ones.
+            keys = self.model.state_dict().keys()
+            state_dict = {k: v for k, v in state_dict.items() if k in keys}
+        set_model_state_dict(self.model, state_dict, options=options)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
-    def optimizer_state(self, optimizer) -> dict:
-        # A pipeline stage's param_groups name only its own parameters, and DCP saves such a non-tensor value from
-        # one rank only: list every stage's, in the single process's order, so that the checkpoint's groups name
-        # every parameter (a resume on any layout, load_full's positions for a single process).
+    def param_names(self, optimizer) -> list[list[str]]:
+        """The names of each param group's parameters in the single process's order. A pipeline stage's optimizer
+        holds only its own: every stage's are gathered and sorted by their position in the whole module (each
+        group lists its parameters in module order, models/optim.py)."""
         import torch.distributed as dist
 
-        state = super().optimizer_state(optimizer)
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         pipeline = getattr(self.lightning_module, "pipeline", None)
         if pipeline is None:
-            return state
+            return groups
         stages = [None] * pipeline.mesh.size()
-        dist.all_gather_object(stages, [g["params"] for g in state["param_groups"]], group=pipeline.mesh.get_group())
-        for i, group in enumerate(state["param_groups"]):
-            group["params"] = sorted({name for stage in stages for name in stage[i]}, key=pipeline.order.__getitem__)
+        dist.all_gather_object(stages, groups, group=pipeline.mesh.get_group())
+        merged = [{name for stage in stages for name in stage[i]} for i in range(len(groups))]
+        return [sorted(group, key=pipeline.order.__getitem__) for group in merged]
+
+    def optimizer_state(self, optimizer) -> dict:
+        # A pipeline stage's param_groups name only its own parameters, and DCP saves such a non-tensor value from
+        # one rank only: list every stage's, so that the checkpoint's groups name every parameter (a resume on any
+        # layout, load_full's positions for a single process).
+        state = super().optimizer_state(optimizer)
+        if getattr(self.lightning_module, "pipeline", None) is not None:
+            for group, names in zip(state["param_groups"], self.param_names(optimizer), strict=True):
+                group["params"] = names
         return state
 
     def setup(self, trainer) -> None:
