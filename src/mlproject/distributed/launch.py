@@ -142,6 +142,11 @@ def local_ranks_end():
     try:
         yield
     except BaseException:
+        # A killed peer closes its sockets before the kernel lets it be reaped: this rank's collective may fail
+        # first. Give the children a moment to show as dead, so that the failure is reported as theirs.
+        deadline = time.monotonic() + 2
+        while _children and time.monotonic() < deadline and all(p.poll() is None for p in _children):
+            time.sleep(0.05)
         _report_failed()
         _kill_children()
         raise
