@@ -1,7 +1,8 @@
 """GPU acceptance suite: every strategy, both examples, bf16, on every visible GPU (`make test-gpu`).
 
 Skipped where no CUDA GPU is visible. On one GPU the multi-process strategies run with one process each
-(NCCL between devices needs 2+ GPUs: run `make test-gpu` on such a machine). Budget: < 8 minutes on one
+(NCCL between devices needs 2+ GPUs: run `make test-gpu` on such a machine), and pipeline parallelism, which
+needs a process per stage, runs only on an even number of GPUs. Budget: < 8 minutes on one
 H200; the strategy runs start 4 at a time, each a few steps of a small model.
 """
 
@@ -44,6 +45,8 @@ RUNS = {  # (example, strategy)
     ("gpt_moe", "single"): ["model=gpt_moe", "strategy=single"],  # 4 experts, split over up to 4 GPUs
     ("gpt_moe", "fsdp_ep"): ["model=gpt_moe", "strategy=fsdp", f"strategy.expert_parallel_size={math.gcd(4, GPUS)}"],
 }
+if GPUS % 2 == 0:  # 2 stages of the tiny GPT's 2 blocks, FSDP over the rest; 1F1B on 2 micro-batches
+    RUNS["gpt", "pp"] = ["strategy=pp", "strategy.pipeline_parallel_size=2", "strategy.pipeline.microbatches=2"]
 # The CPU bound for autocast (tests/distributed/test_bf16.py: one bf16 rounding, 2**-9) x 4 for GPU kernels
 # that may split sums differently per strategy; DeepSpeed's bf16 runs the whole model in bf16 (no autocast),
 # like bf16-true on the CPU (2**-5).
