@@ -148,10 +148,10 @@ class Topology:
                 f"strategy.expert_parallel_size={ep} must divide the shard size {dp // replicate} (processes / "
                 f"tensor_parallel_size / replicate_size); expert groups live inside a shard group"
             )
-        if ep > 1 and self.strategy not in ("fsdp", "hsdp"):
+        if ep > 1 and self.strategy not in ("fsdp", "hsdp", "fsdp_tp"):
             raise ConfigError(
-                f"strategy.expert_parallel_size={ep} needs strategy=fsdp or hsdp (FSDP reduces the experts' "
-                f"gradients), not {self.strategy}"
+                f"strategy.expert_parallel_size={ep} needs strategy=fsdp, hsdp or fsdp_tp (FSDP reduces the "
+                f"experts' gradients), not {self.strategy}"
             )
         if self.strategy == "tp" and tp != world:
             raise ConfigError(
