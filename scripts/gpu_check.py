@@ -6,10 +6,10 @@
 
 Each row trains an experiment (default `gpt_large`, the ~114M-parameter GPT, batch 16 x 256 tokens) for
 --steps optimizer steps in a fresh process, with no validation, test, checkpoints or loggers. Step time is
-the median over the steps after the first few; tokens/s = global batch x block size / step time; MFU =
-the model's FLOPs per token (6 x weights + attention, nanoGPT's estimate) x tokens/s / (bf16 dense peak of
-the GPU x GPUs), shown only for GPUs whose peak is known (mlproject.callbacks.throughput). Peak memory is
-rank 0's torch.cuda.max_memory_allocated.
+the median over the steps after the first few, read from CUDA events (bench.StepClock: no host sync per
+step); tokens/s = global batch x block size / step time; MFU = the model's FLOPs per token (6 x weights +
+attention, nanoGPT's estimate) x tokens/s / (bf16 dense peak of the GPU x GPUs), shown only for GPUs whose
+peak is known (mlproject.callbacks.throughput). Peak memory is rank 0's torch.cuda.max_memory_allocated.
 
 `--experiment gpt_124m` runs on one GPU with its own batch (32 x 1024): model.compile=false, then true,
 then compiled again with torch.cuda.set_sync_debug_mode("error") over the steady-state steps, which fails
