@@ -221,7 +221,9 @@ def run_template(overrides: list[str], epochs: int, steps: int, out: str, log_di
     cmd += [f"+trainer.limit_train_batches={steps}", f"paths.log_dir={log_dir}", "test=false"]
     cmd += ["extras.print_config=false", *overrides]
     cmd += ["+callbacks.bench_timer._target_=bench.step_timer", f"+callbacks.bench_timer.out={out}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts")]))
+    # prepended, not replacing: the GPU machine finds the wheels it lacks (hydra, ...) on PYTHONPATH
+    path = [str(ROOT / "src"), str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("MLPROJECT_RUN_ID", None)
     start = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)

@@ -68,7 +68,9 @@ def run_one(name: str, experiment: str, overrides: list[str], steps: int, tmp: s
     cmd += [f"+trainer.max_steps={steps}", "+trainer.limit_val_batches=0", "test=false", "callbacks=none", "~logger"]
     cmd += ["extras.print_config=false", *overrides]
     cmd += [f"paths.log_dir={tmp}/logs", "+callbacks.timer._target_=bench.step_timer", f"+callbacks.timer.out={out}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts")]))
+    # prepended, not replacing: the GPU machine finds the wheels it lacks (hydra, ...) on PYTHONPATH
+    path = [str(ROOT / "src"), str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("MLPROJECT_RUN_ID", None)
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
