@@ -6,10 +6,10 @@
 
 Each row trains an experiment (default `gpt_large`, the ~114M-parameter GPT, batch 16 x 256 tokens) for
 --steps optimizer steps in a fresh process, with no validation, test, checkpoints or loggers. Step time is
-the median over the steps after the first few; tokens/s = global batch x block size / step time; MFU =
-the model's FLOPs per token (6 x weights + attention, nanoGPT's estimate) x tokens/s / (bf16 dense peak of
-the GPU x GPUs), shown only for GPUs whose peak is known (mlproject.callbacks.throughput). Peak memory is
-rank 0's torch.cuda.max_memory_allocated.
+the median over the steps after the first few, read from CUDA events (bench.StepClock: no host sync per
+step); tokens/s = global batch x block size / step time; MFU = the model's FLOPs per token (6 x weights +
+attention, nanoGPT's estimate) x tokens/s / (bf16 dense peak of the GPU x GPUs), shown only for GPUs whose
+peak is known (mlproject.callbacks.throughput). Peak memory is rank 0's torch.cuda.max_memory_allocated.
 
 `--experiment gpt_124m` runs on one GPU with its own batch (32 x 1024): model.compile=false, then true,
 then compiled again with torch.cuda.set_sync_debug_mode("error") over the steady-state steps, which fails
@@ -68,7 +68,9 @@ def run_one(name: str, experiment: str, overrides: list[str], steps: int, tmp: s
     cmd += [f"+trainer.max_steps={steps}", "+trainer.limit_val_batches=0", "test=false", "callbacks=none", "~logger"]
     cmd += ["extras.print_config=false", *overrides]
     cmd += [f"paths.log_dir={tmp}/logs", "+callbacks.timer._target_=bench.step_timer", f"+callbacks.timer.out={out}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts")]))
+    # prepended, not replacing: the GPU machine finds the wheels it lacks (hydra, ...) on PYTHONPATH
+    path = [str(ROOT / "src"), str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("MLPROJECT_RUN_ID", None)
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
