@@ -14,7 +14,7 @@ from torchmetrics.functional.classification import multiclass_accuracy, multicla
 
 from mlproject.data.digits import DigitsDataModule
 from tests.distributed import eval_worker, sharded_eval_worker
-from tests.helpers.processes import launch, read_metrics, run, run_dirs
+from tests.helpers.processes import launch, read_metrics, run, run_dirs, together
 
 WORKER = Path(eval_worker.__file__)
 
@@ -68,16 +68,10 @@ def test_eval_one_vs_three_processes_and_predictions(trained_run, tmp_path):
     predictions file holds each test sample once, in order, agreeing with test/acc. The global batch (64)
     does not divide by 3: evaluation rounds the per-device batch up (22) and masks the padded slots."""
     ckpt = f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}"
-    run("eval", ckpt, "extras.print_config=false", "trainer=cpu", "trainer.devices=1", log_dir=tmp_path / "one")
-    run(
-        "eval",
-        ckpt,
-        "extras.print_config=false",
-        "strategy=ddp",
-        "trainer=cpu",
-        "trainer.devices=3",
-        "predict=true",
-        log_dir=tmp_path / "three",
+    common = [ckpt, "extras.print_config=false", "trainer=cpu"]
+    together(
+        lambda: run("eval", *common, "trainer.devices=1", log_dir=tmp_path / "one"),
+        lambda: run("eval", *common, "strategy=ddp", "trainer.devices=3", "predict=true", log_dir=tmp_path / "three"),
     )
     (one,), (two,) = run_dirs(tmp_path / "one", "eval"), run_dirs(tmp_path / "three", "eval")
     m1, m2 = read_metrics(one), read_metrics(two)
