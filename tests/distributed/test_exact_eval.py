@@ -45,11 +45,25 @@ def splits() -> dict[str, object]:
     return out
 
 
+WORLDS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def rank_metrics(tmp_path_factory) -> dict[int, list[dict]]:
+    """world size -> what each rank of the eval job wrote; the jobs of every world size start together."""
+    outs = {world: tmp_path_factory.mktemp(f"world{world}") for world in WORLDS}
+
+    def job(world: int):
+        return lambda: launch(WORKER, str(outs[world]), "ddp" if world > 1 else "auto", world=world)
+
+    together(*(job(world) for world in WORLDS))
+    return {w: [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)] for w, out in outs.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_metrics_equal_single_process_reference(world, tmp_path):
-    launch(WORKER, str(tmp_path), "ddp" if world > 1 else "auto", world=world)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+@pytest.mark.parametrize("world", WORLDS)
+def test_metrics_equal_single_process_reference(world, rank_metrics):
+    ranks = rank_metrics[world]
     assert all(r == ranks[0] for r in ranks), "ranks disagree on a synced metric"
     for split, dataset in splits().items():
         stage = "test" if split == "test" else "val"
