@@ -18,6 +18,7 @@ from tests.checkpoint.helpers import (
     strategy,
     train,
 )
+from tests.helpers.processes import together
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (pip install -e '.[deepspeed]')")
 
@@ -41,7 +42,18 @@ def test_deepspeed_checkpoint_resumes_anywhere_and_back_and_exports(tmp_path):
     assert (checkpoints / "last.ckpt" / "latest").is_file()
     epoch1 = tmp_path / "epoch1.ckpt"
     shutil.copytree(checkpoints / "last.ckpt", epoch1)  # 2 ZeRO-2 shards after 6 steps
-    train(tmp_path, "ds", *setup, "ckpt_path=auto")
+
+    def single_then_zero3():
+        # ZeRO-2 on 2 processes -> one plain process (converted on load), a checkpoint every 3 steps, killed at
+        # step 9 -> ZeRO-3 on 2 processes from that file, mid-epoch (scattered into its partitions on load)
+        one = [*strategy("single"), *EXACT, "callbacks.model_checkpoint.every_n_train_steps=3"]
+        proc = train(tmp_path, "single", *one, f"ckpt_path={epoch1}", *kill_at(9), check=False)
+        assert proc.returncode != 0
+        single = run_dir(tmp_path, "single") / "checkpoints" / "last.ckpt"
+        assert load_full(single)["global_step"] == 9
+        train(tmp_path, "zero3", *strategy("deepspeed_stage_3", 2), *EXACT, f"ckpt_path={single}")
+
+    together(lambda: train(tmp_path, "ds", *setup, "ckpt_path=auto"), single_then_zero3)
     # last + the best one, as directories; no temporary leftovers
     names = sorted(p.name for p in checkpoints.iterdir())
     assert len(names) == 2 and names[0].startswith("epoch_") and names[1] == "last.ckpt", names
@@ -53,14 +65,6 @@ def test_deepspeed_checkpoint_resumes_anywhere_and_back_and_exports(tmp_path):
     )
     assert_export_matches(checkpoints / "last.ckpt", tmp_path / "model.pt", torch.rand(8, 1, 8, 8))
 
-    # ZeRO-2 on 2 processes -> one plain process (converted on load), a checkpoint every 3 steps, killed at
-    # step 9 -> ZeRO-3 on 2 processes from that file, mid-epoch (scattered into its partitions on load)
-    one = [*strategy("single"), *EXACT, "callbacks.model_checkpoint.every_n_train_steps=3"]
-    proc = train(tmp_path, "single", *one, f"ckpt_path={epoch1}", *kill_at(9), check=False)
-    assert proc.returncode != 0
-    single = run_dir(tmp_path, "single") / "checkpoints" / "last.ckpt"
-    assert load_full(single)["global_step"] == 9
-    train(tmp_path, "zero3", *strategy("deepspeed_stage_3", 2), *EXACT, f"ckpt_path={single}")
     ds, zero3 = (
         load_full(checkpoints / "last.ckpt"),
         load_full(run_dir(tmp_path, "zero3") / "checkpoints" / "last.ckpt"),

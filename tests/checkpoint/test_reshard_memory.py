@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from tests.helpers.processes import run, run_dirs
+from tests.helpers.processes import run, run_dirs, together
 
 # ~19M parameters: 230 MB of fp32 weights and AdamW moments, 58 MB per rank of 4
 GPT = [
@@ -56,14 +56,11 @@ def saved(log_dir, *overrides: str):
     return run_dir / "last.ckpt"
 
 
-def extra_memory(tmp_path, ckpt) -> list[int]:
-    """Peak host memory per rank of fsdp on 4 resumed from `ckpt`, less that of a fresh run (made once)."""
+def peak_memory(tmp_path, name: str, *overrides: str) -> list[int]:
+    """Peak host memory per rank of fsdp on 4 when training starts (a run of 2 steps under tmp_path/name)."""
     memory = ["+callbacks.memory._target_=tests.helpers.callbacks.HostMemory", "+trainer.max_steps=2"]
-    fresh, resumed = tmp_path / "fresh", tmp_path / f"resumed_{ckpt.parent.name}"
-    if not fresh.exists():
-        train(tmp_path / "a", *FSDP, *memory, f"+callbacks.memory.path={fresh}")
-    train(tmp_path / resumed.name, *FSDP, *memory, f"+callbacks.memory.path={resumed}", f"ckpt_path={ckpt}")
-    return [r - f for r, f in zip(peaks(resumed), peaks(fresh), strict=True)]
+    train(tmp_path / name, *FSDP, *memory, f"+callbacks.memory.path={tmp_path / f'peaks_{name}'}", *overrides)
+    return peaks(tmp_path / f"peaks_{name}")
 
 
 @pytest.mark.slow
@@ -73,13 +70,23 @@ def test_each_rank_reads_only_its_share_when_resharding(tmp_path):
 
     params = sum(p.numel() for p in Net(256, 32, n_layer=6, n_head=8, n_embd=512).parameters())
     share, full = 2 * 4 * params // 4, 3 * 4 * params  # AdamW's moments of a quarter; weights and moments
-    sharded = saved(tmp_path / "hsdp", *HSDP)
+    # the fresh run and the two saving runs start together, then the two resumed runs
+    fresh, sharded, single = together(
+        lambda: peak_memory(tmp_path, "fresh"),
+        lambda: saved(tmp_path / "hsdp", *HSDP),
+        lambda: saved(tmp_path / "single", "strategy=single"),
+    )
     assert (sharded / ".metadata").is_file()  # a directory of shards
-    extra = extra_memory(tmp_path, sharded)
-    print("extra peak host memory per rank, resumed from shards (MB):", [e / 1e6 for e in extra], share / 1e6)
-    assert all(e < share + CONSTANT for e in extra), extra
+    resumed_sharded, resumed_single = together(
+        lambda: peak_memory(tmp_path, "resumed_hsdp", f"ckpt_path={sharded}"),
+        lambda: peak_memory(tmp_path, "resumed_single", f"ckpt_path={single}"),
+    )
+    extra_sharded = [r - f for r, f in zip(resumed_sharded, fresh, strict=True)]  # over the fresh run's
+    extra_single = [r - f for r, f in zip(resumed_single, fresh, strict=True)]
 
-    extra = extra_memory(tmp_path, saved(tmp_path / "single", "strategy=single"))
-    print("extra peak host memory per rank, resumed from a full file (MB):", [e / 1e6 for e in extra])
-    assert all(e < share + CONSTANT for e in extra[1:]), extra
-    assert extra[0] < full + share + CONSTANT, extra
+    print("extra peak host memory per rank, resumed from shards (MB):", [e / 1e6 for e in extra_sharded], share / 1e6)
+    assert all(e < share + CONSTANT for e in extra_sharded), extra_sharded
+
+    print("extra peak host memory per rank, resumed from a full file (MB):", [e / 1e6 for e in extra_single])
+    assert all(e < share + CONSTANT for e in extra_single[1:]), extra_single
+    assert extra_single[0] < full + share + CONSTANT, extra_single

@@ -13,7 +13,7 @@ from tests.checkpoint.test_resume import straight_vs_interrupted
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 5 processes one after another
+@pytest.mark.timeout(1200)  # 5 processes, 3 at a time
 def test_single_bf16_resume_is_bitwise(tmp_path):
     setup = [*strategy("single"), "trainer.precision=bf16-mixed"]
     straight_vs_interrupted(tmp_path, setup, kill_rank=None, mid_kill_rank=None)

@@ -8,6 +8,7 @@ import torch
 
 from mlproject.core.constants import EXIT_SIGTERM
 from tests.checkpoint.helpers import assert_bitwise, run_dir, train, weights
+from tests.helpers.processes import together
 
 # 2 epochs of 4 batches, 2 batches per optimizer step: 4 steps. The signal is checked after every step.
 SETUP = [
@@ -28,12 +29,13 @@ SIGTERM_FIRST_BATCH = [
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_saves_at_the_next_step_and_resumes_bitwise(tmp_path):
-    train(tmp_path, "straight", *SETUP)
     signal_dir = tmp_path / "signal"
     signal_dir.mkdir()
     overrides = [*SETUP, "ckpt_path=auto"]
-    proc = train(
-        tmp_path, "stopped", *overrides, *SIGTERM_FIRST_BATCH, f"+callbacks.signal.dir={signal_dir}", check=False
+    sigterm = [*SIGTERM_FIRST_BATCH, f"+callbacks.signal.dir={signal_dir}"]
+    _, proc = together(  # the straight run and the stopped one start together
+        lambda: train(tmp_path, "straight", *SETUP),
+        lambda: train(tmp_path, "stopped", *overrides, *sigterm, check=False),
     )
     assert proc.returncode == EXIT_SIGTERM, proc.stdout[-2000:] + proc.stderr[-2000:]
     ckpt = run_dir(tmp_path, "stopped") / "checkpoints" / "last.ckpt"

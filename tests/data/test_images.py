@@ -12,7 +12,7 @@ from PIL import Image
 
 from mlproject.data.images import ImagesDataModule
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, weights
-from tests.helpers.processes import FAST, read_metrics, run, run_dirs
+from tests.helpers.processes import FAST, read_metrics, run, run_dirs, together
 
 
 def write_folder(root: Path, classes: int = 3, per_class: int = 20) -> Path:
@@ -77,11 +77,12 @@ def test_workers_resume_mid_epoch_bitwise_with_augmentation(tmp_path):
     def train(run_id: str, *overrides: str, check: bool = True):
         return run("train", *setup, f"run_id={run_id}", "ckpt_path=auto", *overrides, log_dir=logs, check=check)
 
-    train("workers", "data.num_workers=2")
-    train("main", "data.num_workers=0")
+    def killed_and_resumed():
+        assert train("killed", "data.num_workers=2", *kill_at(24), check=False).returncode != 0
+        train("killed", "data.num_workers=2")
+
+    train("workers", "data.num_workers=2")  # alone: it writes the PNGs the others read
+    together(lambda: train("main", "data.num_workers=0"), killed_and_resumed)
     straight = weights(run_dir(logs, "workers") / "checkpoints" / "last.ckpt")
     assert_bitwise(straight, weights(run_dir(logs, "main") / "checkpoints" / "last.ckpt"))
-
-    assert train("killed", "data.num_workers=2", *kill_at(24), check=False).returncode != 0
-    train("killed", "data.num_workers=2")
     assert_bitwise(straight, weights(run_dir(logs, "killed") / "checkpoints" / "last.ckpt"))

@@ -70,15 +70,17 @@ def main(out: str, *overrides: str) -> None:
 
 
 def compare(tmp_path: Path, strategy: str, overrides: list[str]) -> tuple[dict, dict]:
-    """Run this worker on 1 process (direct reference) and on 2 under `strategy`; both ranks must agree.
-    Returns (what 2 processes logged, the reference)."""
-    from tests.helpers.processes import launch
+    """Run this worker on 1 process (direct reference) and on 2 under `strategy`, started together; both
+    ranks must agree. Returns (what 2 processes logged, the reference)."""
+    from tests.helpers.processes import launch, together
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    launch(Path(__file__), str(one), *overrides, world=1)
-    launch(Path(__file__), str(two), f"strategy={strategy}", "trainer.devices=2", *overrides, world=2)
+    together(
+        lambda: launch(Path(__file__), str(one), *overrides, world=1),
+        lambda: launch(Path(__file__), str(two), f"strategy={strategy}", "trainer.devices=2", *overrides, world=2),
+    )
     want = json.loads((one / "rank0.json").read_text())["reference"]
     ranks = [json.loads((two / f"rank{r}.json").read_text())["val"] for r in range(2)]
     assert ranks[0] == ranks[1], "ranks disagree on a synced metric"

@@ -14,7 +14,7 @@ from torchmetrics.functional.classification import multiclass_accuracy, multicla
 
 from mlproject.data.digits import DigitsDataModule
 from tests.distributed import eval_worker, sharded_eval_worker
-from tests.helpers.processes import launch, read_metrics, run, run_dirs
+from tests.helpers.processes import launch, read_metrics, run, run_dirs, together
 
 WORKER = Path(eval_worker.__file__)
 
@@ -45,11 +45,25 @@ def splits() -> dict[str, object]:
     return out
 
 
+WORLDS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def rank_metrics(tmp_path_factory) -> dict[int, list[dict]]:
+    """world size -> what each rank of the eval job wrote; the jobs of every world size start together."""
+    outs = {world: tmp_path_factory.mktemp(f"world{world}") for world in WORLDS}
+
+    def job(world: int):
+        return lambda: launch(WORKER, str(outs[world]), "ddp" if world > 1 else "auto", world=world)
+
+    together(*(job(world) for world in WORLDS))
+    return {w: [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)] for w, out in outs.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_metrics_equal_single_process_reference(world, tmp_path):
-    launch(WORKER, str(tmp_path), "ddp" if world > 1 else "auto", world=world)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+@pytest.mark.parametrize("world", WORLDS)
+def test_metrics_equal_single_process_reference(world, rank_metrics):
+    ranks = rank_metrics[world]
     assert all(r == ranks[0] for r in ranks), "ranks disagree on a synced metric"
     for split, dataset in splits().items():
         stage = "test" if split == "test" else "val"
@@ -68,16 +82,10 @@ def test_eval_one_vs_three_processes_and_predictions(trained_run, tmp_path):
     predictions file holds each test sample once, in order, agreeing with test/acc. The global batch (64)
     does not divide by 3: evaluation rounds the per-device batch up (22) and masks the padded slots."""
     ckpt = f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}"
-    run("eval", ckpt, "extras.print_config=false", "trainer=cpu", "trainer.devices=1", log_dir=tmp_path / "one")
-    run(
-        "eval",
-        ckpt,
-        "extras.print_config=false",
-        "strategy=ddp",
-        "trainer=cpu",
-        "trainer.devices=3",
-        "predict=true",
-        log_dir=tmp_path / "three",
+    common = [ckpt, "extras.print_config=false", "trainer=cpu"]
+    together(
+        lambda: run("eval", *common, "trainer.devices=1", log_dir=tmp_path / "one"),
+        lambda: run("eval", *common, "strategy=ddp", "trainer.devices=3", "predict=true", log_dir=tmp_path / "three"),
     )
     (one,), (two,) = run_dirs(tmp_path / "one", "eval"), run_dirs(tmp_path / "three", "eval")
     m1, m2 = read_metrics(one), read_metrics(two)

@@ -8,6 +8,8 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mlproject.core.constants import PROJECT_ROOT
@@ -54,6 +56,16 @@ def run(
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def together(*calls: Callable[[], object]) -> list:
+    """Call each of `calls` (runs that do not depend on each other, e.g. `lambda: run(...)`) in a thread of
+    its own and wait for all; returns their results in order, or raises the first call's error (after all
+    ended). Their processes run one thread each (clean_env), so a few at once fill the CPUs instead of
+    waiting for each other's interpreter start-up and single-process training."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
 
 
 def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
