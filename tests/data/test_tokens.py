@@ -104,6 +104,29 @@ def test_preparation_killed_half_way_is_redone_not_used(tmp_path):
     assert not tmp.exists()  # what the killed one left is removed
 
 
+def test_a_preparation_finished_meanwhile_is_kept_not_replaced(tmp_path, monkeypatch):
+    """Two jobs prepare one (shared) directory: the one that ends second keeps the first one's result, which a
+    run may be reading already, instead of moving it aside for its own equal copy."""
+    from mlproject.data.preparation import prepare
+
+    out, key = tmp_path / "prepared", {"source": "same"}
+
+    def build(by: str):
+        def write(tmp: Path) -> dict:
+            if by == "second":  # the other job (another pid: its own tmp) finishes while this one builds
+                with monkeypatch.context() as m:
+                    m.setattr(os, "getpid", lambda: 1)
+                    prepare(out, key, build("first"))
+            (tmp / "data.txt").write_text(by)
+            return {"by": by}
+
+        return write
+
+    assert prepare(out, key, build("second"))["by"] == "first"
+    assert (out / "data.txt").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]  # the second's copy is gone
+
+
 @pytest.mark.slow
 def test_a_corpus_larger_than_memory_trains_within_a_memory_bound(tmp_path):
     """1 GiB of text -> 1 GiB of shards (bytes), prepared by the job itself; 2 ranks train a few steps and

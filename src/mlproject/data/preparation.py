@@ -52,6 +52,10 @@ def prepare(dir: str | Path, key: dict, build: Callable[[Path], dict]) -> dict:
     start = time.monotonic()
     manifest = {"key": key, **build(tmp)}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    done = read_manifest(dir)
+    if done is not None and done["key"] == key:  # another job prepared the same directory meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)  # (moving it aside could pull it from under a reader)
+        return done
     old = dir.with_name(f"{tmp.name}.old")
     if dir.exists():  # stale: moved aside, then removed once the new one is in place
         os.rename(dir, old)
