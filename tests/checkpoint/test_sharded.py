@@ -52,6 +52,13 @@ def last(log_dir, run_id):
     return run_dir(log_dir, run_id) / "checkpoints" / "last.ckpt"
 
 
+def assert_ends_near(log_dir, straight: dict, runs: dict[str, str]) -> None:
+    """Each run (label -> run id) ends within CLOSE of the straight run's parameters; prints the differences."""
+    diffs = {label: max_diff(straight, weights(last(log_dir, run_id))) for label, run_id in runs.items()}
+    print("max |param - straight run's|:", diffs)
+    assert all(d < CLOSE for d in diffs.values()), diffs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 9 runs of 1-2 processes, in 2 rounds of runs started together
 def test_fsdp_checkpoints_resume_anywhere(tmp_path):
@@ -98,13 +105,15 @@ def test_fsdp_checkpoints_resume_anywhere(tmp_path):
     assert_bitwise(straight, weights(last(tmp_path, "epoch")))
     assert epoch_metrics(run_dir(tmp_path, "epoch")) == epoch_metrics(run_dir(tmp_path, "straight"))
 
-    diffs = {
-        "fsdp 2 -> 1 -> 2": max_diff(straight, weights(last(tmp_path, "two"))),
-        "fsdp 2 -> single": max_diff(straight, weights(last(tmp_path, "single"))),
-        "ddp -> fsdp": max_diff(straight, weights(last(tmp_path, "ddp2fsdp"))),
-    }
-    print("max |param - straight run's|:", diffs)
-    assert all(d < CLOSE for d in diffs.values()), diffs
+    assert_ends_near(
+        tmp_path,
+        straight,
+        {
+            "fsdp 2 -> 1 -> 2": "two",
+            "fsdp 2 -> single": "single",
+            "ddp -> fsdp": "ddp2fsdp",
+        },
+    )
 
     (eval_dir,) = (tmp_path / "eval" / "runs").iterdir()
     tested = json.loads((eval_dir / "metrics.json").read_text())
@@ -176,12 +185,14 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
         train(tmp_path, "single", *moe, *strategy("single"), f"ckpt_path={last(tmp_path, 'hsdp')}")
 
     together(hsdp_then_single, lambda: train(tmp_path, "fsdp", *moe, *strategy("fsdp", 2), f"ckpt_path={epoch2}"))
-    diffs = {
-        "ep 2 -> hsdp 2x2 ep 2 -> single": max_diff(straight, weights(last(tmp_path, "single"))),
-        "ep 2 -> fsdp 2 (ep 1)": max_diff(straight, weights(last(tmp_path, "fsdp"))),
-    }
-    print("max |param - straight run's|:", diffs)
-    assert all(d < CLOSE for d in diffs.values()), diffs
+    assert_ends_near(
+        tmp_path,
+        straight,
+        {
+            "ep 2 -> hsdp 2x2 ep 2 -> single": "single",
+            "ep 2 -> fsdp 2 (ep 1)": "fsdp",
+        },
+    )
     assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))
 
 
@@ -227,12 +238,14 @@ def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
     assert_bitwise(straight, weights(last(tmp_path, "epoch")))
     assert epoch_metrics(run_dir(tmp_path, "epoch")) == epoch_metrics(run_dir(tmp_path, "straight"))
 
-    diffs = {
-        "pp 2 -> interleaved pp 2 x fsdp 2 -> single": max_diff(straight, weights(last(tmp_path, "single"))),
-        "pp 2 -> fsdp 2 (pp 1)": max_diff(straight, weights(last(tmp_path, "fsdp"))),
-    }
-    print("max |param - straight run's|:", diffs)
-    assert all(d < CLOSE for d in diffs.values()), diffs
+    assert_ends_near(
+        tmp_path,
+        straight,
+        {
+            "pp 2 -> interleaved pp 2 x fsdp 2 -> single": "single",
+            "pp 2 -> fsdp 2 (pp 1)": "fsdp",
+        },
+    )
 
     assert_export_matches(last(tmp_path, "straight"), tmp_path / "pp.pt", torch.randint(0, 256, (2, 32)))
     (eval_dir,) = (tmp_path / "eval" / "runs").iterdir()
@@ -259,9 +272,11 @@ def test_checkpoints_of_other_layouts_resume_into_pipeline(tmp_path):
         train(tmp_path, "fsdp2pp", *GPT4, *strategy("pp", 4), f"ckpt_path={last(tmp_path, 'fsdp')}")
 
     together(lambda: train(tmp_path, "single2pp", *GPT4, *strategy("pp", 2), f"ckpt_path={epoch2}"), fsdp_then_pp_fsdp)
-    diffs = {
-        "single -> pp 2": max_diff(straight, weights(last(tmp_path, "single2pp"))),
-        "single -> fsdp 2 -> pp 2 x fsdp 2": max_diff(straight, weights(last(tmp_path, "fsdp2pp"))),
-    }
-    print("max |param - straight run's|:", diffs)
-    assert all(d < CLOSE for d in diffs.values()), diffs
+    assert_ends_near(
+        tmp_path,
+        straight,
+        {
+            "single -> pp 2": "single2pp",
+            "single -> fsdp 2 -> pp 2 x fsdp 2": "fsdp2pp",
+        },
+    )
