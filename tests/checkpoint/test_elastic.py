@@ -20,14 +20,14 @@ EVERY_7_STEPS = ["callbacks.model_checkpoint.every_n_train_steps=7"]
 def test_torchrun_restart_resumes_bitwise(tmp_path):
     setup = [*strategy("ddp", 2), *EVERY_7_STEPS]
     train(tmp_path, "straight", *setup)
-    # rank 1 is SIGKILLed at step 47 of the first attempt (last checkpoint: step 42); torchrun restarts both.
-    # Restarts to spare, as docs/strategies.md advises: a restarted gloo group's first connect is sometimes
-    # refused while the dead round's sockets close (seen once in three CI-shaped runs); the next try joins.
+    # rank 1 is SIGKILLed at step 47 of the first attempt (last checkpoint: step 42); torchrun restarts both,
+    # with a fresh rendezvous store per restart, as the template requires (test below)
     stamp = tmp_path / "killed"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3"]
     overrides = [*BASE, "run_id=elastic", "test=false", *setup, "ckpt_path=auto", *kill_at(47, 1, stamp)]
     cmd = [*torchrun, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", *overrides]
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert stamp.exists()  # the first attempt was killed
     last = "checkpoints/last.ckpt"
@@ -39,3 +39,12 @@ def test_static_rendezvous_restarts_are_refused(tmp_path):
     env = clean_env(TORCHELASTIC_MAX_RESTARTS="1", TORCHELASTIC_RUN_ID="none")
     proc = run("train", "trainer=cpu", "extras.print_config=false", log_dir=tmp_path, check=False, env=env)
     assert proc.returncode == 2 and "use torchrun --standalone" in proc.stderr, proc.stderr
+
+
+def test_restarts_over_a_shared_rendezvous_store_are_refused(tmp_path):
+    """torchrun's default shares its store with the workers across restarts: a restarted gloo group may read the
+    dead round's addresses (pytorch#135712; 1 in 3 restarts failed or hung here). Refused, naming the fix."""
+    env = clean_env(TORCHELASTIC_MAX_RESTARTS="1", TORCHELASTIC_RUN_ID="abc", TORCHELASTIC_USE_AGENT_STORE="True")
+    proc = run("train", "trainer=cpu", "extras.print_config=false", log_dir=tmp_path, check=False, env=env)
+    assert proc.returncode == 2 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1

