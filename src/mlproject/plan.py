@@ -258,8 +258,8 @@ def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
 
     stages, microbatches = topology.nodes, 2 * topology.nodes
     pipeline = {"schedule": "1f1b", "microbatches": microbatches}
-    shape = replace(topology, strategy="fsdp", tensor_parallel_size=1, replicate_size=1, expert_parallel_size=1)
-    shape = replace(shape, pipeline_parallel_size=stages)
+    plain = {"tensor_parallel_size": 1, "replicate_size": 1, "expert_parallel_size": 1}
+    shape = replace(topology, strategy="fsdp", pipeline_parallel_size=stages, **plain)
     try:
         check_pipeline(OmegaConf.create({"model": cfg.model, "strategy": {"pipeline": pipeline}}), shape.validate())
     except ConfigError:

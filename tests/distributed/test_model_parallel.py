@@ -79,8 +79,8 @@ def start_runs(tmp_path_factory, common: list[str], strategies: dict[str, list[s
         (run_dir,) = run_dirs(log_dir)
         logs = "".join(p.read_text() for p in run_dir.glob("*.log"))
         footprint = [int(b) for b in re.findall(r"model footprint on this rank: .* = (\d+) bytes", logs)]
-        out[name] = {**torch.load(log_dir / "record.pt"), "metrics": read_metrics(run_dir), "footprint": footprint}
-        out[name]["run_dir"] = run_dir
+        record = torch.load(log_dir / "record.pt")
+        out[name] = {**record, "metrics": read_metrics(run_dir), "footprint": footprint, "run_dir": run_dir}
     return out
 
 
