@@ -3,7 +3,9 @@
 A sharded checkpoint: torch.distributed.checkpoint reshards by the global offsets of each rank's DTensor
 shards (Lightning's ModelParallelStrategy loads a checkpoint directory that way). A full file (single, ddp):
 memory-mapped, each rank copies its own shard out of it (distributed/parallel.ModelParallel.load_checkpoint),
-but torch's optimizer loader gathers the present optimizer state in full on rank 0 once.
+but torch's optimizer loader gathers the present optimizer state in full on rank 0 once. A DeepSpeed
+directory of another ZeRO layout: memory-mapped, each rank copies the slices of its partitions out of the
+other layout's (checkpoint/zero_shards.py).
 
 Measured as each rank's peak host memory when training starts (after the restore, before the first step),
 against a fresh run of the same layout: a resumed rank holds in addition its share of the optimizer state
@@ -56,10 +58,10 @@ def saved(log_dir, *overrides: str):
     return run_dir / "last.ckpt"
 
 
-def peak_memory(tmp_path, name: str, *overrides: str) -> list[int]:
-    """Peak host memory per rank of fsdp on 4 when training starts (a run of 2 steps under tmp_path/name)."""
+def peak_memory(tmp_path, name: str, *overrides: str, layout: list[str] = FSDP) -> list[int]:
+    """Peak host memory per rank of `layout` on 4 when training starts (a run of 2 steps under tmp_path/name)."""
     memory = ["+callbacks.memory._target_=tests.helpers.callbacks.HostMemory", "+trainer.max_steps=2"]
-    train(tmp_path / name, *FSDP, *memory, f"+callbacks.memory.path={tmp_path / f'peaks_{name}'}", *overrides)
+    train(tmp_path / name, *layout, *memory, f"+callbacks.memory.path={tmp_path / f'peaks_{name}'}", *overrides)
     return peaks(tmp_path / f"peaks_{name}")
 
 
@@ -90,3 +92,23 @@ def test_each_rank_reads_only_its_share_when_resharding(tmp_path):
     print("extra peak host memory per rank, resumed from a full file (MB):", [e / 1e6 for e in extra_single])
     assert all(e < share + CONSTANT for e in extra_single[1:]), extra_single
     assert extra_single[0] < full + share + CONSTANT, extra_single
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_deepspeed_ranks_read_only_their_share_of_another_zero_layout(tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (pip install -e '.[deepspeed]')")
+    from mlproject.models.components.gpt import GPT as Net
+
+    params = sum(p.numel() for p in Net(256, 32, n_layer=6, n_head=8, n_embd=512).parameters())
+    share = 2 * 4 * params // 4  # AdamW's moments of a quarter; the whole checkpoint is 3 * 4 * params
+    zero3 = ["strategy=deepspeed_stage_3", "trainer.devices=4"]
+    fresh, saved_zero2 = together(
+        lambda: peak_memory(tmp_path, "fresh", layout=zero3),
+        lambda: saved(tmp_path / "zero2", "strategy=deepspeed_stage_2", "trainer.devices=2"),
+    )
+    assert (saved_zero2 / "latest").is_file()  # a DeepSpeed directory of 2 ZeRO-2 partitions
+    resumed = peak_memory(tmp_path, "resumed", f"ckpt_path={saved_zero2}", layout=zero3)
+    extra = [r - f for r, f in zip(resumed, fresh, strict=True)]
+    print("extra peak host memory per rank, ZeRO-2 on 2 -> ZeRO-3 on 4 (MB):", [e / 1e6 for e in extra], share / 1e6)
+    assert all(e < share + CONSTANT for e in extra), extra

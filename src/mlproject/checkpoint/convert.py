@@ -59,65 +59,31 @@ def _from_sharded(path: Path) -> dict[str, Any]:
 
 
 def _from_deepspeed(path: Path) -> dict[str, Any]:
-    """Weights and optimizer state from the ZeRO shards, the rest from Lightning's client state.
+    """Weights and optimizer state from the ZeRO shards (zero_shards.py), the rest from Lightning's client
+    state. The torch optimizer DeepSpeed wrapped has one param group per flat group: its positions run over
+    the parameters of each flat group in order, the order of the writer's param groups."""
+    from mlproject.checkpoint.zero_shards import PREFIX, ZeroShards
 
-    Each rank holds one flat fp32 partition per param group (stage 3: per sub-group) and the torch
-    optimizer's state over it. The moments have the layout of the fp32 partition, so DeepSpeed's own
-    reconstruction of the weights (zero_to_fp32) reassembles them too. `param_shapes` lists the parameters
-    of each partition in order: the order of the param groups of the torch optimizer DeepSpeed wrapped."""
-    from deepspeed.utils import zero_to_fp32 as z
-
-    ds_dir = path / (path / "latest").read_text().strip()
-    model_states = z.parse_model_states(z.get_model_state_files(ds_dir))
-    shards = [
-        torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in z.get_optim_files(ds_dir)
-    ]
-    zero3 = shards[0]["zero_stage"] == 3
-    optim_key, fp32_key = (
-        ("optimizer_state_dict", "fp32_flat_groups")
-        if zero3
-        else ("base_optimizer_state", "single_partition_of_fp32_groups")
-    )
-
-    def merge(partitions: list[list[torch.Tensor]], with_frozen: bool) -> dict[str, torch.Tensor]:
-        """Full tensors by name from each rank's flat partitions."""
-        if zero3:
-            merged = z._get_fp32_state_dict_from_zero3_checkpoint(
-                len(shards), partitions, model_states, not with_frozen
-            )
-        else:
-            paddings = shards[0].get("param_alignment_paddings")
-            merged = z._get_fp32_state_dict_from_zero2_checkpoint(
-                len(shards), partitions, model_states, not with_frozen, paddings
-            )
-        return z.to_torch_tensor(merged)
-
-    def moment(key: str) -> dict[str, torch.Tensor]:
-        # stage 1/2 pad a rank's moment partition at the end; its fp32 partition is lean
-        return merge(
-            [[s[optim_key]["state"][i][key][: len(p)] for i, p in enumerate(s[fp32_key])] for s in shards], False
-        )
-
-    optim = shards[0][optim_key]
-    moments = {key: moment(key) for key in next(iter(optim["state"].values()), {}) if key != "step"}
+    shards = ZeroShards(path)
+    optim = shards.optimizer
+    keys = [key for key in next(iter(optim["state"].values()), {}) if key != "step"]
     state, groups, position = {}, [], 0
     for group in optim["param_groups"]:
         params = []
-        for i in group["params"]:  # a flat partition
-            for name in model_states[0].param_shapes[i]:
+        for i in group["params"]:  # a flat group
+            for name in shards.groups[i]:
                 if i in optim["state"]:
                     step = optim["state"][i]["step"].clone()  # one tensor per parameter: AdamW increments each
-                    state[position] = {"step": step, **{key: moments[key][name].clone() for key in moments}}
+                    state[position] = {"step": step, **{key: shards.full(name, key) for key in keys}}
                 params.append(position)
                 position += 1
         groups.append({**group, "params": params})
 
-    # Lightning keeps the client state (loops, callbacks, hyperparameters, lr_schedulers) in the model-states file
-    client = torch.load(z.get_model_state_files(ds_dir)[0], map_location="cpu", weights_only=False)
-    checkpoint = {k: v for k, v in client.items() if k not in ("module", "optimizer", "lr_scheduler")}
-    checkpoint["state_dict"] = {
-        k.removeprefix("_forward_module."): v for k, v in merge([s[fp32_key] for s in shards], True).items()
-    }
+    checkpoint = {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
+    state_dict = {**shards.buffers, **{name: shards.full(name) for name in shards.shapes}}
+    for alias, name in shards.client["shared_params"].items():  # tied weights are saved once
+        state_dict[alias.removeprefix(PREFIX)] = state_dict[name.removeprefix(PREFIX)]
+    checkpoint["state_dict"] = state_dict
     checkpoint["optimizer_states"] = [{"state": state, "param_groups": groups}]
     return checkpoint
 

@@ -65,32 +65,54 @@ class ZeroStrategy(DeepSpeedStrategy):
         super().setup(trainer)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
-        # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout; any other
-        # (a file, fsdp shards, another DeepSpeed layout) is read in full and scattered into the partitions.
-        from mlproject.checkpoint.convert import load_full
+        # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout. Any other is
+        # scattered into this rank's partitions, reading only the slices it will hold from another DeepSpeed
+        # layout or a file (memory-mapped); fsdp shards are read in full (convert.load_full).
+        from mlproject.checkpoint.convert import checkpoint_format, load_full
+        from mlproject.checkpoint.zero_shards import ZeroShards
 
         path = Path(self.broadcast(checkpoint_path))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # else the engine has no optimizer
         if not fitting or loads_natively(path, self.world_size, self.zero_stage_3):
             return super().load_checkpoint(path, weights_only)
-        checkpoint = load_full(path)
-        self._scatter(checkpoint["state_dict"], checkpoint["optimizer_states"][0])
+        if checkpoint_format(path) == "deepspeed":
+            shards = ZeroShards(path)
+            self._scatter(shards.read, shards.buffers, shards.optimizer)
+            return {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
+        if path.is_file():
+            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        else:
+            checkpoint = load_full(path)
+        state_dict, optimizer = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states")[0]
+        position = {name: i for i, name in enumerate(self._names())}
+
+        def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
+            full = state_dict[name] if key is None else optimizer["state"][position[name]][key]
+            return full.flatten().narrow(0, start, numel)
+
+        self._scatter(read, state_dict, optimizer)
         return checkpoint  # Lightning restores the rest (loops, callbacks, lr_schedulers) from it
 
-    def _scatter(self, state_dict: dict, optimizer: dict) -> None:
-        """Full weights, buffers and AdamW state (keyed by position) into this rank's ZeRO partitions."""
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    def _names(self) -> list[str]:
+        """The parameters' names in ZeRO's order, the torch optimizer's positions over its param groups."""
+        zero = self.deepspeed_engine.optimizer
+        names = {p: name for name, p in self.lightning_module.named_parameters()}
+        return [names[p] for group in (zero.fp16_groups if self.zero_stage_3 else zero.bit16_groups) for p in group]
 
+    @torch.no_grad()
+    def _scatter(self, read, buffers: dict, optimizer: dict) -> None:
+        """Weights, buffers and AdamW state into this rank's ZeRO partitions: `read(name, key, start, numel)`
+        gives elements of a flattened parameter (`key` None) or of its optimizer state `key`; `optimizer` has
+        the saved param groups' hyperparameters and a state entry to take the step count from."""
         zero, module = self.deepspeed_engine.optimizer, self.lightning_module
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                if name in state_dict:  # non-persistent buffers are the model's to rebuild
-                    buffer.copy_(state_dict[name])
-        # The base optimizer keeps its state per flat fp32 partition and creates it at the first step;
-        # DeepSpeed's setters write into existing state only, so create it (stage 1/2 then link each
-        # parameter's fragment of it, as its first step would).
+        for name, buffer in module.named_buffers():
+            if name in buffers:  # non-persistent buffers are the model's to rebuild
+                buffer.copy_(buffers[name])
+        # The base optimizer keeps its state per flat fp32 partition and creates it at the first step; create it
+        # (stage 1/2 then link each parameter's fragment of it, as its first step would).
         flats = zero.fp32_partitioned_groups_flat if self.zero_stage_3 else zero.single_partition_of_fp32_groups
-        if first := next(iter(optimizer["state"].values()), None):
+        first = next(iter(optimizer["state"].values()), None)
+        if first:
             for flat in flats:
                 zero.optimizer.state[flat] = {
                     k: v.clone() if k == "step" else torch.zeros_like(flat) for k, v in first.items()
@@ -99,14 +121,20 @@ class ZeroStrategy(DeepSpeedStrategy):
                 zero._lazy_init_hp_params_optimizer_state()
         for group, saved in zip(zero.optimizer.param_groups, optimizer["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})  # lr, initial_lr, betas...
-        # positions run over the torch optimizer's param groups, which ZeRO keeps in order
-        names = {p: name for name, p in module.named_parameters()}
-        groups = zero.fp16_groups if self.zero_stage_3 else zero.bit16_groups
-        for i, p in enumerate(p for group in groups for p in group):
-            safe_set_full_fp32_param(p, state_dict[names[p]])
-            for key, value in optimizer["state"].get(i, {}).items():
-                if key != "step":
-                    safe_set_full_optimizer_state(p, value, key)
+        keys = [None, *(k for k in first or {} if k != "step")]
+        params = dict(module.named_parameters())
+        for name in self._names():
+            p = params[name]
+            for key in keys:
+                # DeepSpeed's safe_set_full_* take the full tensor and keep a slice: read only the slice
+                if self.zero_stage_3:
+                    partition, _ = zero._get_fp32_opt_state_partition(p, False, optim_state_key=key)
+                    start = partition.numel() * zero._get_param_partition_rank(p)
+                    numel = max(0, min(partition.numel(), p.ds_numel - start))
+                    partition[:numel].copy_(read(name, key, start, numel))
+                elif p._hp_mapping is not None:  # stage 1/2: None where this rank holds none of it
+                    address = p._hp_mapping.lp_fragment_address
+                    p._hp_mapping.get_hp_fragment(key).copy_(read(name, key, address.start, address.numel))
         # the module's parameters from the fp32 master, as after an optimizer step
         if self.zero_stage_3:
             for i in range(len(flats)):
