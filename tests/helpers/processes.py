@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from mlproject.core.constants import PROJECT_ROOT
+
+# Process groups of the runs now alive (each run's ranks share its group), for `together` to end them, and
+# whether it is ending them (a run that starts meanwhile ends at once).
+LIVE: set[int] = set()
+STOP = threading.Event()
+PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
 # Runs in tests stay small: few epochs, no config tree, quiet warnings; on the CPU even where a GPU is visible.
 FAST = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=2"]
@@ -48,24 +57,53 @@ def run(
     check: bool = True,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output."""
+    """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output. On a
+    timeout the run's whole process group is killed: the ranks Lightning started besides the one it runs in."""
     cmd = [sys.executable, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
-    proc = subprocess.run(
-        cmd, cwd=PROJECT_ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
-    )
+    env = env or clean_env()
+    with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, text=True, start_new_session=True, **PIPES) as child:
+        LIVE.add(child.pid)
+        if STOP.is_set():
+            kill_group(child.pid)
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(child.pid)
+            raise
+        finally:
+            LIVE.discard(child.pid)
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def together(*calls: Callable[[], object]) -> list:
     """Call each of `calls` (runs that do not depend on each other, e.g. `lambda: run(...)`) in a thread of
-    its own and wait for all; returns their results in order, or raises the first call's error (after all
-    ended). Their processes run one thread each (clean_env), so a few at once fill the CPUs instead of
-    waiting for each other's interpreter start-up and single-process training."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [future.result() for future in futures]
+    its own and wait for all; returns their results in order, or raises the first error. Their
+    processes run one thread each (clean_env), so a few at once fill the CPUs instead of waiting for each
+    other's interpreter start-up and single-process training. On an error, or when this thread is
+    interrupted (pytest-timeout raises here), the runs still alive are killed rather than waited for."""
+    try:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures = [pool.submit(call) for call in calls]
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                for future in (f for f in futures if f in done and f.exception()):
+                    raise future.exception()
+                return [future.result() for future in futures]
+            except BaseException:
+                STOP.set()
+                for pid in list(LIVE):
+                    kill_group(pid)
+                raise
+    finally:
+        STOP.clear()
 
 
 def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
@@ -123,7 +161,6 @@ def run_in_process(module: str, *overrides: str, log_dir: Path) -> tuple[int, st
     """`python -m mlproject.<module> overrides...` in this process, for runs that end before training:
     returns (exit code, stderr). No interpreter start-up or imports per run; the environment, sys.argv
     and Hydra's global state are restored afterwards."""
-    import contextlib
     import importlib
     import io
 
