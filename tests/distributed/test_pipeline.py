@@ -14,12 +14,11 @@ import csv
 import pytest
 
 from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, start_runs
-from tests.helpers.gpt import assert_trains_like
+from tests.helpers.gpt import RARE, assert_trains_like
 
 PIPE = [o for o in TINY if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]
 # Twice test_model_parallel's: a pipeline sums each gradient over micro-batches, a longer reordering of the
-# additions; where a gradient element is near zero (a rare byte's row of the head), Adam turns the rounding
-# into steps of ~1e-6 (measured: <= 4.5e-6 everywhere, 6.9e-6 in one of the head's 8192 elements).
+# additions (measured here: <= 5e-6 everywhere but a rare element or two, see RARE).
 PARAM_ATOL = 1e-5
 PP = ["strategy=pp", "strategy.pipeline_parallel_size=2"]
 THROUGHPUT = [  # logged every 2 steps, with the bubble of the schedule
@@ -62,7 +61,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
 def test_same_training_as_one_process(runs, name):
     # every stage's parameters under the single process's names; evaluation runs through the pipeline too
-    assert_trains_like(runs[name], runs["single"], LOSS_RTOL, PARAM_ATOL)
+    assert_trains_like(runs[name], runs["single"], LOSS_RTOL, PARAM_ATOL, rare=RARE)
 
 
 @pytest.mark.slow
