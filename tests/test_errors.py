@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
+from unittest import mock
+
 import pytest
 from omegaconf import OmegaConf
 
 from mlproject.core.constants import CONFIG_DIR
+from mlproject.core.errors import ConfigError
 from tests.helpers.processes import clean_env, run, run_dirs, run_in_process
 
 # The cases hold for any set of examples a project keeps: they name the defaults by reading train.yaml.
@@ -19,6 +25,15 @@ CASES = {
         [f"modle={MODEL}"],
         f"'modle' is neither a config group nor a key; did you mean model={MODEL}?",
     ),
+    "misspelled group and option": (
+        [f"modle={MODEL[:-1]}"],
+        f"did you mean the group model? It has no option '{MODEL[:-1]}'; the closest: {MODEL}",
+    ),
+    "misspelled group, no such option": (  # `model=no_such` would only be the next error
+        ["modle=no_such"],
+        "'modle' is neither a config group nor a key; did you mean the group model? It has no option 'no_such'; "
+        "its options: ",
+    ),
     "unknown key": (["trainer.max_epoch=3"], "'trainer' has no key 'max_epoch'; did you mean trainer.max_epochs=3?"),
     "misspelled data key": (["data.batchsize=32"], "did you mean data.batch_size=32?"),
     "misspelled _target_": (
@@ -30,6 +45,10 @@ CASES = {
         ["+callbacks.model_checkpoint.every_n_epoch=1"],
         "callbacks.model_checkpoint.every_n_epoch (the command line): ModelCheckpoint takes no argument "
         "'every_n_epoch'; did you mean callbacks.model_checkpoint.every_n_epochs?",
+    ),
+    "constructor key from an included file": (  # callbacks/default.yaml includes callbacks/model_checkpoint.yaml
+        ["callbacks.model_checkpoint._target_=lightning.pytorch.callbacks.EarlyStopping"],
+        "(configs/callbacks/model_checkpoint.yaml): EarlyStopping takes no argument",
     ),
     "wrong type": (["trainer.max_epochs=ten"], "trainer.max_epochs='ten' must be of type int"),
     "batch not divisible": (["strategy=ddp", "trainer.devices=3"], "use a multiple of 3"),
@@ -53,6 +72,11 @@ CASES = {
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
     CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
+if (CONFIG_DIR / "experiment/digits.yaml").exists():  # the experiment's model.net.channels, not the model file's
+    CASES["constructor key from an experiment"] = (
+        ["experiment=digits", "model.net._target_=torch.nn.Conv2d"],
+        "model.net.channels (configs/experiment/digits.yaml): Conv2d takes no argument 'channels'",
+    )
 # the other example's data (images suit the digits model and tokens the GPT, so neither can be the mismatch)
 OTHER_DATA = [d for d in ("text", "digits") if d != DATA and (CONFIG_DIR / f"data/{d}.yaml").exists()]
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
@@ -73,6 +97,29 @@ def test_bad_override_gives_one_line(case, tmp_path):
     assert expected in lines[0]
     assert "Traceback" not in stderr
     assert not run_dirs(tmp_path)  # no run directory left behind
+
+
+def test_full_error_shows_the_traceback(tmp_path, monkeypatch):
+    """HYDRA_FULL_ERROR=1, as Hydra documents it: the error propagates (Python prints its traceback) with its
+    cause chained, down to the library's own exception."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mlproject.train import main
+
+    bad = "+callbacks.model_checkpoint.every_n_epoch=1"
+    monkeypatch.setattr(sys, "argv", ["mlproject.train", f"paths.log_dir={tmp_path}", "trainer=cpu", bad])
+    try:
+        with mock.patch.dict(os.environ, clean_env(HYDRA_FULL_ERROR="1"), clear=True), pytest.raises(ConfigError) as e:
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+    trace = "".join(traceback.format_exception(e.value))
+    assert trace.startswith("Traceback") and "in instantiate_at" in trace
+    assert "TypeError: ModelCheckpoint.__init__() got an unexpected keyword argument 'every_n_epoch'" in trace
+    assert trace.rstrip().endswith(
+        "ModelCheckpoint takes no argument 'every_n_epoch'; did you mean callbacks.model_checkpoint.every_n_epochs?"
+    )
+    assert not run_dirs(tmp_path)
 
 
 def test_gpu_asked_for_where_none_is_visible(tmp_path):
