@@ -72,10 +72,11 @@ CASES = {
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
     CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
-if (CONFIG_DIR / "experiment/digits.yaml").exists():  # the experiment's model.net.channels, not the model file's
+# the digits experiment sets model.net.channels over the model file's: the error names the experiment
+if (DIGITS := CONFIG_DIR / "experiment/digits.yaml").exists():
     CASES["constructor key from an experiment"] = (
-        ["experiment=digits", "model.net._target_=torch.nn.Conv2d"],
-        "model.net.channels (configs/experiment/digits.yaml): Conv2d takes no argument 'channels'",
+        [f"experiment={DIGITS.stem}", "model.net._target_=torch.nn.Conv2d"],
+        f"model.net.channels (configs/experiment/{DIGITS.name}): Conv2d takes no argument 'channels'",
     )
 # the other example's data (images suit the digits model and tokens the GPT, so neither can be the mismatch)
 OTHER_DATA = [d for d in ("text", "digits") if d != DATA and (CONFIG_DIR / f"data/{d}.yaml").exists()]
