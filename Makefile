@@ -49,12 +49,12 @@ train: install ## train the default experiment; overrides: make train ARGS="trai
 	$(PY) -m mlproject.train $(OVERRIDES)
 
 eval: install ## evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS=...]
-	@test -n "$(CKPT)" || { echo "error: give the checkpoint, e.g. make eval CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
-	$(PY) -m mlproject.eval ckpt_path=$(CKPT) $(OVERRIDES)
+	@test -n $(call quote,$(value CKPT)) || { echo "error: give the checkpoint, e.g. make eval CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
+	$(PY) -m mlproject.eval $(call quote,ckpt_path=$(value CKPT)) $(OVERRIDES)
 
 export: install ## any checkpoint -> one plain state dict: make export CKPT=path/to/last.ckpt [OUT=model.pt]
-	@test -n "$(CKPT)" || { echo "error: give the checkpoint, e.g. make export CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
-	$(PY) -m mlproject.export ckpt_path=$(CKPT) out=$(OUT) $(OVERRIDES)
+	@test -n $(call quote,$(value CKPT)) || { echo "error: give the checkpoint, e.g. make export CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
+	$(PY) -m mlproject.export $(call quote,ckpt_path=$(value CKPT)) $(call quote,out=$(value OUT)) $(OVERRIDES)
 
 test: install ## run the whole test suite
 	$(PY) -m pytest $(ARGS)

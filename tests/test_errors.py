@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
+from unittest import mock
+
 import pytest
 from omegaconf import OmegaConf
 
 from mlproject.core.constants import CONFIG_DIR
-from tests.helpers.processes import clean_env, run, run_dirs, run_in_process
+from mlproject.core.errors import ConfigError
+from tests.helpers.processes import clean_env, run_dirs, run_in_process
 
 # The cases hold for any set of examples a project keeps: they name the defaults by reading train.yaml.
 TRAIN_DEFAULTS = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "train.yaml").defaults)
@@ -19,6 +25,15 @@ CASES = {
         [f"modle={MODEL}"],
         f"'modle' is neither a config group nor a key; did you mean model={MODEL}?",
     ),
+    "misspelled group and option": (
+        [f"modle={MODEL[:-1]}"],
+        f"did you mean the group model? It has no option '{MODEL[:-1]}'; the closest: {MODEL}",
+    ),
+    "misspelled group, no such option": (  # `model=no_such` would only be the next error
+        ["modle=no_such"],
+        "'modle' is neither a config group nor a key; did you mean the group model? It has no option 'no_such'; "
+        "its options: ",
+    ),
     "unknown key": (["trainer.max_epoch=3"], "'trainer' has no key 'max_epoch'; did you mean trainer.max_epochs=3?"),
     "misspelled data key": (["data.batchsize=32"], "did you mean data.batch_size=32?"),
     "misspelled _target_": (
@@ -30,6 +45,10 @@ CASES = {
         ["+callbacks.model_checkpoint.every_n_epoch=1"],
         "callbacks.model_checkpoint.every_n_epoch (the command line): ModelCheckpoint takes no argument "
         "'every_n_epoch'; did you mean callbacks.model_checkpoint.every_n_epochs?",
+    ),
+    "constructor key from an included file": (  # callbacks/default.yaml includes callbacks/model_checkpoint.yaml
+        ["callbacks.model_checkpoint._target_=lightning.pytorch.callbacks.EarlyStopping"],
+        "(configs/callbacks/model_checkpoint.yaml): EarlyStopping takes no argument",
     ),
     "wrong type": (["trainer.max_epochs=ten"], "trainer.max_epochs='ten' must be of type int"),
     "batch not divisible": (["strategy=ddp", "trainer.devices=3"], "use a multiple of 3"),
@@ -53,6 +72,12 @@ CASES = {
 }
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
     CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
+# the digits experiment sets model.net.channels over the model file's: the error names the experiment
+if (DIGITS := CONFIG_DIR / "experiment/digits.yaml").exists():
+    CASES["constructor key from an experiment"] = (
+        [f"experiment={DIGITS.stem}", "model.net._target_=torch.nn.Conv2d"],
+        f"model.net.channels (configs/experiment/{DIGITS.name}): Conv2d takes no argument 'channels'",
+    )
 # the other example's data (images suit the digits model and tokens the GPT, so neither can be the mismatch)
 OTHER_DATA = [d for d in ("text", "digits") if d != DATA and (CONFIG_DIR / f"data/{d}.yaml").exists()]
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
@@ -75,13 +100,36 @@ def test_bad_override_gives_one_line(case, tmp_path):
     assert not run_dirs(tmp_path)  # no run directory left behind
 
 
-def test_gpu_asked_for_where_none_is_visible(tmp_path):
-    """A process of its own: the host's GPUs are hidden from it, so the case holds on a GPU host too."""
-    env = clean_env(CUDA_VISIBLE_DEVICES="")
-    proc = run("train", "trainer=gpu", "extras.print_config=false", log_dir=tmp_path, check=False, env=env)
-    assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: trainer.accelerator=gpu but no CUDA GPU is visible; use trainer=cpu."
-    ), proc.stderr
+def test_full_error_shows_the_traceback(tmp_path, monkeypatch):
+    """HYDRA_FULL_ERROR=1, as Hydra documents it: the error propagates (Python prints its traceback) with its
+    cause chained, down to the library's own exception."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mlproject.train import main
+
+    bad = "+callbacks.model_checkpoint.every_n_epoch=1"
+    monkeypatch.setattr(sys, "argv", ["mlproject.train", f"paths.log_dir={tmp_path}", "trainer=cpu", bad])
+    try:
+        with mock.patch.dict(os.environ, clean_env(HYDRA_FULL_ERROR="1"), clear=True), pytest.raises(ConfigError) as e:
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+    trace = "".join(traceback.format_exception(e.value))
+    assert trace.startswith("Traceback") and "in instantiate_at" in trace
+    assert "TypeError: ModelCheckpoint.__init__() got an unexpected keyword argument 'every_n_epoch'" in trace
+    assert trace.rstrip().endswith(
+        "ModelCheckpoint takes no argument 'every_n_epoch'; did you mean callbacks.model_checkpoint.every_n_epochs?"
+    )
+    assert not run_dirs(tmp_path)
+
+
+def test_gpu_asked_for_where_none_is_visible(tmp_path, monkeypatch):
+    """CUDA reports no GPU (as with CUDA_VISIBLE_DEVICES=''), so the case holds on a GPU host too."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, stderr = run_in_process("train", "trainer=gpu", "extras.print_config=false", log_dir=tmp_path)
+    assert code == 2 and stderr.strip() == "error: trainer.accelerator=gpu but no CUDA GPU is visible; use trainer=cpu."
 
 
 def test_eval_without_checkpoint(tmp_path):

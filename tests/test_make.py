@@ -20,6 +20,8 @@ CASES = {
     ],
     "eval CKPT=a.ckpt data.batch_size=7": ["ckpt_path=a.ckpt", "data.batch_size=7"],
     "export CKPT=a.ckpt OUT=m.pt": ["ckpt_path=a.ckpt", "out=m.pt"],
+    "eval \"CKPT=my runs/it's.ckpt\" data.batch_size=7": ["ckpt_path=my runs/it's.ckpt", "data.batch_size=7"],
+    "export 'CKPT=a \"b\".ckpt' 'OUT=out dir/m.pt'": ['ckpt_path=a "b".ckpt', "out=out dir/m.pt"],
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import difflib
 import importlib
 import inspect
 import re
+from pathlib import Path
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
@@ -15,29 +16,82 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlproject.core.errors import ConfigError
 
+ABSENT = object()  # a key a config does not set
 
-def source(cfg: DictConfig, key: str) -> str:
-    """Where `key` was set: the command line, or the config file of its group's option."""
+
+def lookup(tree, key: str):
+    """The value at dotted `key` of a plain nested dict, or ABSENT."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return ABSENT
+        tree = tree[part]
+    return tree
+
+
+def config_files(hc) -> list[tuple[str, dict]]:
+    """(file, its content at its package, unresolved) of every config file composed into this run, in Hydra's
+    merge order: the defaults tree as Hydra computes it (a group's option, the files it includes, then
+    experiment, debug and the other `_global_` files), each file found on the run's search path."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from mlproject.core.constants import PROJECT_ROOT
+
+    overrides = [*hc.overrides.hydra, *hc.overrides.task]
+    defaults = GlobalHydra.instance().config_loader().compute_defaults_list(hc.job.config_name, overrides, RunMode.RUN)
+    dirs = [Path(s.path) for s in hc.runtime.config_sources if s.schema == "file"]
+    files = []
+    for d in defaults.defaults:
+        path = next((p for p in (root / f"{d.config_path}.yaml" for root in dirs) if p.is_file()), None)
+        if path is None or d.package.split(".")[0] == "hydra":
+            continue
+        content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        content.pop("defaults", None)
+        for part in reversed(d.package.split(".") if d.package else []):
+            content = {part: content}
+        files.append((str(path.relative_to(PROJECT_ROOT) if path.is_relative_to(PROJECT_ROOT) else path), content))
+    return files
+
+
+def source(cfg: DictConfig, key: str) -> str | None:
+    """Where `key` was set: the command line, or the config file whose value it holds (for a node, every file
+    that set something in it). None where that cannot be told (outside a Hydra run; a value no file holds, like
+    eval's data and model, which come from the checkpoint): better no file than a wrong one."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return "the composed config"
+        return None
     hc = HydraConfig.get()
-    set_keys = [o.lstrip("+~").split("=")[0] for o in hc.overrides.task]
-    if any("." in k and (k == key or k.startswith(key + ".")) for k in set_keys):
-        return "the command line"
-    group = key.split(".")[0]
-    choice = hc.runtime.choices.get(group)
-    return f"configs/{group}/{choice}.yaml" if choice else f"configs/{hc.job.config_name}.yaml"
+    value = lookup(OmegaConf.to_container(cfg, resolve=False), key)
+    set_keys = [o.lstrip("+~").split("=")[0] for o in hc.overrides.task if "." in o.split("=")[0]]
+    on_command_line = any(f"{key}.".startswith(f"{k}.") for k in set_keys)  # the key or a node above it
+    setters = [(path, found) for path, content in config_files(hc) if (found := lookup(content, key)) is not ABSENT]
+    if not isinstance(value, dict):  # a value: the command line's, or the last file's if cfg holds that one
+        if on_command_line:
+            return "the command line"
+        return setters[-1][0] if setters and setters[-1][1] == value else None
+    if "_target_" in value and source(cfg, f"{key}._target_") is None:  # e.g. eval's model, from the checkpoint
+        return None
+    under_it = on_command_line or any(k.startswith(f"{key}.") for k in set_keys)
+    return ", ".join([*(path for path, _ in setters), *(["the command line"] if under_it else [])]) or None
 
 
 def chosen(cfg: DictConfig, group: str) -> str:
-    """`data=digits (configs/data/digits.yaml)`: a group's option as the user would name it."""
+    """`data=digits (configs/data/digits.yaml)`: a group's option as the user would name it, where its
+    `_target_` is that option's; else (set elsewhere, or eval's from the checkpoint) the class itself."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return f"{group} ({cfg[group]._target_})"
-    return f"{group}={HydraConfig.get().runtime.choices.get(group)} ({source(cfg, group)})"
+    choice = HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+    file = f"configs/{group}/{choice}.yaml"
+    if choice and source(cfg, f"{group}._target_") == file:
+        return f"{group}={choice} ({file})"
+    return f"{group} ({cfg[group]._target_})"
+
+
+def with_source(cfg: DictConfig, key: str, text: str = "") -> str:
+    """`text (where key was set)`, or `text` alone where that cannot be told; `text` defaults to the key."""
+    where = source(cfg, key)
+    return f"{text or key} ({where})" if where else text or key
 
 
 def targets(node, prefix: str) -> dict[str, str]:
@@ -66,15 +120,15 @@ def explain(cfg: DictConfig, key: str, exc: Exception) -> str:
         with contextlib.suppress(ImportError, ValueError):
             hint = did_you_mean(name, dir(importlib.import_module(module)))
             hint = hint and hint.replace("mean ", f"mean {module}.")
-        return f"{at}._target_={bad} ({source(cfg, at)}) cannot be imported{hint}"
+        return f"{with_source(cfg, f'{at}._target_', f'{at}._target_={bad}')} cannot be imported{hint}"
     if m := re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", text):
         cls, arg = m.groups()
         at = next((k for k, t in found.items() if t.endswith(f".{cls}")), key)
         params = inspect.signature(get_class(found[at])).parameters if at in found else ()
         hint = did_you_mean(arg, params).replace("mean ", f"mean {at}.") or f"; it takes {', '.join(params)}"
-        return f"{at}.{arg} ({source(cfg, f'{at}.{arg}')}): {cls} takes no argument {arg!r}{hint}"
+        return f"{with_source(cfg, f'{at}.{arg}')}: {cls} takes no argument {arg!r}{hint}"
     cause = str(exc.__cause__ or exc).replace("\\'", "'")
-    return f"{key} ({source(cfg, key)}) could not be built: {cause}"
+    return f"{with_source(cfg, key)} could not be built: {cause}"
 
 
 def instantiate_at(cfg: DictConfig, key: str, **kwargs):
@@ -82,7 +136,7 @@ def instantiate_at(cfg: DictConfig, key: str, **kwargs):
     try:
         return instantiate(OmegaConf.select(cfg, key), **kwargs)
     except InstantiationException as exc:
-        raise ConfigError(explain(cfg, key, exc)) from None
+        raise ConfigError(explain(cfg, key, exc)) from exc  # the chain: HYDRA_FULL_ERROR=1 shows the library's frames
 
 
 def instantiate_all(cfg: DictConfig, group: str) -> list:
@@ -144,4 +198,4 @@ def first_batch_fits(cfg: DictConfig, trainer):
         raise ConfigError(
             f"{chosen(cfg, 'data')} does not fit {chosen(cfg, 'model')} at the first batch: {first}; pick a "
             "matching data= and model= pair (or an experiment=), or make the model's input size the data's"
-        ) from None
+        ) from exc

@@ -60,8 +60,21 @@ def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> Confi
         pass
     where = f"'{parent}' has no key '{leaf}'" if parent else f"'{key}' is neither a config group nor a key"
     if close := difflib.get_close_matches(leaf, names, n=1):
+        if not parent and (CONFIG_DIR / close[0]).is_dir():
+            return ConfigError(f"{where}; {group_hint(close[0], value)}")
         return ConfigError(f"{where}; did you mean {parent + '.' if parent else ''}{close[0]}={value}?")
     return ConfigError(f"{where}; its keys: {', '.join(names)} (to add a new key that your code reads: +{key}={value})")
+
+
+def group_hint(group: str, option: str) -> str:
+    """The fix for a misspelled group: `group=option` only where that option exists (a suggestion that does
+    not exist only leads to the next error), else the group and its options closest to `option`."""
+    options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+    if option in options:
+        return f"did you mean {group}={option}?"
+    close = difflib.get_close_matches(option, options, n=3)
+    listed = f"the closest: {', '.join(close)}" if close else f"its options: {', '.join(options)}"
+    return f"did you mean the group {group}? It has no option {option!r}; {listed}"
 
 
 def exit_with(exc: BaseException) -> None:

@@ -5,7 +5,8 @@ tests: a job on `high` preempts (requeues, after a grace time) a job on `low`, a
 
 Everything lives in a temporary directory (config, state, logs, the munge socket); every daemon is
 started here and stopped here by PID. Where SLURM is missing, the fixture installs it with apt-get
-if allowed (root, apt-get present, and CI or MLPROJECT_SLURM_INSTALL=1), else the tests skip.
+if allowed (root, apt-get present, and CI=true or MLPROJECT_SLURM_INSTALL=1), else the tests skip; under
+CI=true they fail instead.
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ LOW, HIGH = "low", "high"  # n3's partitions: a job on HIGH preempts one on LOW
 GRACE_SECONDS = 90  # between SIGTERM and SIGKILL of a preempted job: time to reach a step and save
 
 
+def in_ci() -> bool:
+    """CI=true (or 1), as CI services set it: the one rule for installing SLURM and for failing without it."""
+    return os.environ.get("CI", "").lower() in ("1", "true")
+
+
 def install_reason() -> str | None:
     """None when SLURM is (now) installed, else why not."""
     if all(shutil.which(b) for b in BINARIES):
         return None
-    allowed = os.environ.get("MLPROJECT_SLURM_INSTALL", "1" if os.environ.get("CI") else "0") == "1"
+    allowed = os.environ.get("MLPROJECT_SLURM_INSTALL", "1" if in_ci() else "0") == "1"
     if not (allowed and os.geteuid() == 0 and shutil.which("apt-get")):
         return (
             "SLURM is not installed: apt-get install -y --no-install-recommends "
@@ -127,7 +133,7 @@ PartitionName={HIGH} Nodes=n3 PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE St
 
 def unavailable(reason: str) -> None:
     """Skip here, but fail under CI=true: CI must not pass without a test of requeue and multi-node."""
-    if os.environ.get("CI", "").lower() in ("1", "true"):
+    if in_ci():
         pytest.fail(f"CI=true but SLURM is unavailable: {reason}", pytrace=False)
     pytest.skip(reason)
 
