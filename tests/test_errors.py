@@ -135,3 +135,15 @@ def test_gpu_asked_for_where_none_is_visible(tmp_path, monkeypatch):
 def test_eval_without_checkpoint(tmp_path):
     code, stderr = run_in_process("eval", log_dir=tmp_path)
     assert code == 2 and "ckpt_path" in stderr and "Traceback" not in stderr
+
+
+def test_type_check_finds_experiments_on_an_extra_search_path(tmp_path):
+    """The type check composes the defaults again: with the run's hydra.searchpath, so that an experiment of the
+    user's own (outside configs/) is found there too and the real mistake is the one reported."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment/mine.yaml").write_text("# @package _global_\nseed: 7  # a recipe of the user's own\n")
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    code, stderr = run_in_process(
+        "train", "trainer=cpu", search, "experiment=mine", "trainer.devices=abc", log_dir=tmp_path
+    )
+    assert code == 2 and stderr.strip() == "error: trainer.devices='abc' must be of type int, like the default 1."

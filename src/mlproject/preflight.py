@@ -29,7 +29,11 @@ def check_override_types(cfg: DictConfig) -> None:
     values = [o for o in overrides if o.key_or_group not in groups and not o.is_delete() and not o.is_add()]
     if not values or hc.mode.name == "MULTIRUN":  # sweep values are lists and ranges: checked per trial
         return
-    base = compose(hc.job.config_name, [o.input_line for o in overrides if o not in values])
+    # Hydra's own overrides (hydra.searchpath) keep the options the run chose findable
+    kept = [o.input_line for o in overrides if o not in values] + [
+        h for h in hc.overrides.hydra if h.startswith("hydra.searchpath")
+    ]
+    base = compose(hc.job.config_name, kept)
     for o in values:
         if o.key_or_group.startswith("hydra."):
             continue
