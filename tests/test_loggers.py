@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
 import json
+import operator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,23 @@ from tests.helpers.processes import read_metrics, run
 from tests.helpers.wandb_records import records
 
 RUN = ["extras.print_config=false", "trainer=cpu", "debug=limit", "trainer.max_epochs=1", "tags=[dev,every]"]
+# Keys of the resolved config each logger must hold: top-level, nested, and an interpolation (the run directory)
+CONFIG = ("seed", "model.optimizer.lr", "data.batch_size", "paths.output_dir")
+
+
+def config(hparams: dict, flat: bool) -> dict:
+    """CONFIG's values from a logger's hyperparameters, nested (CSV, W&B) or flattened with "/" (TensorBoard,
+    MLflow)."""
+    if flat:
+        return {k: hparams[k.replace(".", "/")] for k in CONFIG}
+    return {k: functools.reduce(operator.getitem, k.split("."), hparams) for k in CONFIG}
+
+
+def number_or_text(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def read_csv(run_dir: Path) -> dict:
@@ -22,7 +41,7 @@ def read_csv(run_dir: Path) -> dict:
     hparams = load_hparams_from_yaml(run_dir / "csv" / "hparams.yaml")
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
         test_acc = [float(row["test/acc"]) for row in csv.DictReader(f) if row["test/acc"]]
-    return {"seed": hparams["seed"], "tags": hparams["tags"], "test/acc": test_acc[-1], **best(hparams)}
+    return {"config": config(hparams, flat=False), "tags": hparams["tags"], "test/acc": test_acc[-1], **best(hparams)}
 
 
 def read_tensorboard(run_dir: Path) -> dict:
@@ -33,8 +52,9 @@ def read_tensorboard(run_dir: Path) -> dict:
     events.Reload()
     (content,) = [c for tag, c in events.PluginTagToContent("hparams").items() if "session_start_info" in tag]
     hparams = HParamsPluginData.FromString(content).session_start_info.hparams  # name -> protobuf Value
+    values = {name: getattr(value, value.WhichOneof("kind")) for name, value in hparams.items()}
     return {
-        "seed": hparams["seed"].number_value,
+        "config": config(values, flat=True),
         "tags": ast.literal_eval(hparams["tags"].string_value),
         "test/acc": events.Scalars("test/acc")[-1].value,
         "best_checkpoint": hparams["best_checkpoint"].string_value,
@@ -43,17 +63,17 @@ def read_tensorboard(run_dir: Path) -> dict:
 
 def read_wandb(run_dir: Path) -> dict:
     (path,) = run_dir.glob("wandb/offline-run-*/*.wandb")
-    config, summary, tags, history = {}, {}, None, {}
+    hparams, summary, tags, history = {}, {}, None, {}
     for record in records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             tags = list(record.run.tags)
         elif kind in ("config", "summary"):
-            target = config if kind == "config" else summary
+            target = hparams if kind == "config" else summary
             target.update({key(u): json.loads(u.value_json) for u in getattr(record, kind).update})
         elif kind == "history":
             history.update({key(i): json.loads(i.value_json) for i in record.history.item})
-    return {"seed": config["seed"], "tags": tags, "test/acc": history["test/acc"], **best(summary)}
+    return {"config": config(hparams, flat=False), "tags": tags, "test/acc": history["test/acc"], **best(summary)}
 
 
 def key(item) -> str:
@@ -68,7 +88,7 @@ def read_mlflow(run_dir: Path) -> dict:
     data = found.data
     assert found.info.status == "FINISHED"
     return {
-        "seed": int(data.params["seed"]),
+        "config": config({k: number_or_text(v) for k, v in data.params.items()}, flat=True),  # strings
         "tags": sorted(k for k, v in data.tags.items() if v == "true"),
         "test/acc": client.get_metric_history(found.info.run_id, "test/acc")[-1].value,
         **best(data.tags),
@@ -84,11 +104,12 @@ READERS = {"csv": read_csv, "tensorboard": read_tensorboard, "wandb": read_wandb
 
 @pytest.mark.slow
 def test_every_logger_gets_config_tags_test_metrics_and_best_checkpoint(tmp_path):
-    run("train", *RUN, "logger=many", "run_id=every", log_dir=tmp_path)
+    overrides = ["model.optimizer.lr=0.002", "data.batch_size=32"]  # not the defaults: these reach the loggers
+    run("train", *RUN, *overrides, "logger=many", "run_id=every", log_dir=tmp_path)
     run_dir = tmp_path / "debug" / "runs" / "every"
     (best_ckpt,) = (run_dir / "checkpoints").glob("epoch_*.ckpt")
     expected = {
-        "seed": 42,
+        "config": {"seed": 42, "model.optimizer.lr": 0.002, "data.batch_size": 32, "paths.output_dir": str(run_dir)},
         "tags": ["dev", "every"],
         "test/acc": pytest.approx(read_metrics(run_dir)["test/acc"], abs=1e-6),
         "best_checkpoint": str(best_ckpt),
@@ -108,3 +129,23 @@ def test_mlflow_run_continues_when_training_resumes(tmp_path):
     assert found.info.run_name == "debug-again"
     epochs = [m.value for m in client.get_metric_history(found.info.run_id, "epoch")]
     assert {0, 1} <= set(epochs)  # both runs' epochs, in the one MLflow run
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,  # passes once fixed: then drop this mark
+    raises=AssertionError,
+    reason="rank 1 exits: Hydra merges the trainer's loggers into its config, and OmegaConf takes mlflow_logger's "
+    "DummyLogger for an attrs class (it answers __attrs_attrs__ too): 'function' object is not subscriptable",
+)
+def test_mlflow_logs_from_rank_zero_only(tmp_path):
+    """DDP on 2 processes: one MLflow run, each metric once per step (rank 1 gets a logger that logs nothing)."""
+    ddp = ["strategy=ddp", "trainer.devices=2", "trainer.log_every_n_steps=1"]
+    run("train", *RUN, *ddp, "logger=mlflow", "run_id=ddp", log_dir=tmp_path)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/debug/runs/ddp/mlflow/mlflow.db")
+    (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
+    assert sorted(steps) == sorted(set(steps)) and len(steps) == 5  # debug=limit: 5 steps
+    assert len(client.get_metric_history(found.info.run_id, "test/acc")) == 1

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mlproject.distributed.syncbn import convert_sync_batchnorm
-from tests.distributed.test_syncbn import free_port
+from tests.helpers.processes import free_port
 
 # 2 ranks x 7 samples x 11 x 11 = 1694 values per channel: not a bf16 number (it rounds to 1696), so a count
 # kept in bf16 would show in the mean.
