@@ -132,14 +132,9 @@ def test_mlflow_run_continues_when_training_resumes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,  # passes once fixed: then drop this mark
-    raises=AssertionError,
-    reason="rank 1 exits: Hydra merges the trainer's loggers into its config, and OmegaConf takes mlflow_logger's "
-    "DummyLogger for an attrs class (it answers __attrs_attrs__ too): 'function' object is not subscriptable",
-)
 def test_mlflow_logs_from_rank_zero_only(tmp_path):
-    """DDP on 2 processes: one MLflow run, each metric once per step (rank 1 gets a logger that logs nothing)."""
+    """DDP on 2 processes: one MLflow run, each metric once per step (rank 1 gets a logger that logs nothing,
+    and that Hydra can merge into the trainer's arguments: it failed there once)."""
     ddp = ["strategy=ddp", "trainer.devices=2", "trainer.log_every_n_steps=1"]
     run("train", *RUN, *ddp, "logger=mlflow", "run_id=ddp", log_dir=tmp_path)
     from mlflow.tracking import MlflowClient

@@ -72,7 +72,7 @@ def mlflow_logger(
     ranks get a logger that logs nothing, as Lightning's loggers do there.
     """
     if rank() != 0:
-        return DummyLogger()
+        return SilentLogger()
     trial = sweep_trial()
     if trial is not None:
         run_name = f"{run_name}-{trial}"
@@ -154,3 +154,13 @@ class _AppendingWriter(ExperimentWriter):
         if not self.metrics_keys:  # a writer made before another process wrote the file (ddp_spawn)
             self._read_header()
         return super()._record_new_keys()
+
+
+class SilentLogger(DummyLogger):
+    """Lightning's DummyLogger answers every attribute, dunders too, so OmegaConf takes it for an attrs class
+    when Hydra merges it into the trainer's arguments; here dunders are missing, as on any object."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return super().__getattr__(name)
