@@ -37,9 +37,9 @@ GPT += [f"model.net.n_head={HEADS}", f"model.net.n_embd={8 * HEADS}", f"data.bat
 DEEPSPEED = [f"deepspeed_stage_{s}" for s in (1, 2, 3)] + ["deepspeed_stage_3_offload"]
 if not importlib.util.find_spec("deepspeed"):  # the optional extra; the GPU machine gets it as a wheel
     DEEPSPEED = []
-RUNS = {  # (example, strategy)
-    **{("digits", s): [f"strategy={s}"] for s in ["single", "ddp", *DEEPSPEED]},
-    **{("gpt", s): [f"strategy={s}"] for s in ["single", "ddp", "fsdp", *DEEPSPEED]},
+RUNS = {  # (example, strategy); fsdp shards the digits CNN (no plan) whole (tests/distributed/test_fsdp_any_model.py)
+    **{(example, s): [f"strategy={s}"] for example in ("digits", "gpt") for s in ["single", "ddp", "fsdp", *DEEPSPEED]},
+    # tp and expert parallelism split the layers the GPT's plan names; hsdp is fsdp's code with replicas
     ("gpt", "tp"): ["strategy=tp", f"strategy.tensor_parallel_size={GPUS}"],
     ("gpt", "hsdp"): ["strategy=hsdp", f"strategy.replicate_size={2 if GPUS % 2 == 0 else 1}"],
     ("gpt_moe", "single"): ["model=gpt_moe", "strategy=single"],  # 4 experts, split over up to 4 GPUs
@@ -90,8 +90,8 @@ def test_strategy_trains_like_one_gpu(runs, key):
 
 
 @pytest.mark.timeout(600)
-def test_syncbn_under_ddp_is_torchs(runs):
-    assert runs["digits", "ddp"]["bn"] == ["SyncBatchNorm"]
+def test_syncbn_under_ddp_and_fsdp_is_torchs(runs):
+    assert runs["digits", "ddp"]["bn"] == runs["digits", "fsdp"]["bn"] == ["SyncBatchNorm"]
     assert runs["digits", "single"]["bn"] == ["BatchNorm2d"]  # one process: nothing to synchronise
 
 
