@@ -179,6 +179,8 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     )
     tpl_train = template / "configs/train.yaml"
     tpl_train.write_text(re.sub(r"^seed:.*$", "seed: 0  # v2", tpl_train.read_text(), count=1, flags=re.M))
+    workflow = ".github/workflows/ci.yml"  # and its CI workflow changed: the project's follows
+    (template / workflow).write_text((template / workflow).read_text() + "# v2: a new step would go here\n")
     sh("git", "add", "-A", cwd=template, env=env)
     sh("git", "commit", "-qm", "v2", cwd=template, env=env)
     sh("git", "tag", "v2", cwd=template, env=env)
@@ -188,6 +190,7 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     assert "_commit: v2" in (root / ".copier-answers.yml").read_text()
     assert (root / "src/cool_net/utils/news.py").read_text().endswith("from cool_net.core.errors import ConfigError\n")
     assert optim.read_text().endswith("# tuned for my data\n")
+    assert (root / workflow).read_text() == (template / workflow).read_text()
     merged = train_yaml.read_text()  # both sides changed the line: a conflict, not a silent overwrite
     assert "<<<<<<< before updating" in merged and "seed: 7  # mine" in merged and "seed: 0  # v2" in merged
     unmerged = sh("git", "diff", "--name-only", "--diff-filter=U", cwd=root, env=env).stdout.split()
