@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -42,7 +43,13 @@ STRATEGIES = [
     "hsdp",
     "tp",
     "fsdp_tp",
+    "pp",  # 2 pipeline stages (1F1B), FSDP over the rest: an even number of GPUs
+    "moe",  # model=gpt_moe (4 experts per block, top-2) on one GPU
+    "moe_ep",  # model=gpt_moe under fsdp, its experts split over up to 4 GPUs: an even number of GPUs
 ]
+# rows that are not a strategy config alone; "single" and "moe" run on one GPU, the rest on every visible GPU
+ROWS = {"moe": ["model=gpt_moe", "strategy=single"], "moe_ep": ["model=gpt_moe", "strategy=fsdp"]}
+ONE_GPU = ("single", "moe")
 WARMUP_STEPS = 5  # first steps (allocator, kernels, compilation, DeepSpeed buckets) are not steady state
 
 
@@ -114,18 +121,26 @@ def rows_to_run(args, devices: int) -> list[tuple[str, list[str]]]:
         ]
     rows = []
     for strategy in args.strategies:
-        overrides = [f"strategy={strategy}", f"trainer.devices={1 if strategy == 'single' else devices}", *shape]
+        if strategy in ("pp", "moe_ep") and devices % 2:  # a process per stage; EP needs 2+ ranks
+            print(f"  {strategy}: skipped, needs an even number of GPUs ({devices} visible)")
+            continue
+        overrides = [*ROWS.get(strategy, [f"strategy={strategy}"]), *shape]
+        overrides.append(f"trainer.devices={1 if strategy in ONE_GPU else devices}")
         if strategy == "tp" or strategy == "fsdp_tp":
             overrides += [f"strategy.tensor_parallel_size={devices if strategy == 'tp' else max(1, devices // 2)}"]
         if strategy == "hsdp":  # one machine: two replicas of a shard over half of its GPUs
             overrides += [f"strategy.replicate_size={2 if devices % 2 == 0 else 1}"]
+        if strategy == "pp":  # gpt_large's 16 blocks in 2 stages of 8, 4 micro-batches (the default)
+            overrides += ["strategy.pipeline_parallel_size=2"]
+        if strategy == "moe_ep":  # the 4 experts divide over 2 or 4 ranks of a shard group
+            overrides += [f"strategy.expert_parallel_size={math.gcd(4, devices)}"]
         rows.append((strategy, overrides))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, help="configs/strategy/ names to run")
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, help="strategy configs, moe, moe_ep")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per strategy")
     parser.add_argument("--experiment", default="gpt_large", choices=["gpt_large", "gpt_124m"], help="what trains")
     parser.add_argument("--batch", type=int, default=None, help="global batch size (default: 16; gpt_124m: its own)")
@@ -157,7 +172,7 @@ def main() -> None:
         if not r["ok"]:
             print(f"{r['strategy']:<26} {'no':<4} {r['error']}")
             continue
-        gpus = devices if r["strategy"] in args.strategies and r["strategy"] != "single" else 1
+        gpus = devices if r["strategy"] in args.strategies and r["strategy"] not in ONE_GPU else 1
         mfu = f"{r['flops_per_token'] * r['tokens_per_s'] / (peak * gpus):.1%}" if peak else "n/a"
         print(
             f"{r['strategy']:<26} {'yes':<4} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>10.0f} "

@@ -20,12 +20,14 @@ from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.topology import Topology
 
 GiB = 2**30
-# ~85M parameters: 12 blocks of width 768 (12 x 12 x 768^2) plus embeddings and head
-GPT_85M = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_layer=12", "model.net.n_head=8"]
-GPT_85M += ["model.net.n_embd=768", "data.block_size=64"]
-
-
+# GPTs of width 768 on windows of 64 tokens: 12 blocks are ~85M parameters (12 x 12 x 768^2, plus embeddings and
+# head), 6 blocks ~43M, 24 blocks ~170M
+WIDE = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_head=8", "model.net.n_embd=768"]
+WIDE += ["data.block_size=64"]
+GPT_85M = [*WIDE, "model.net.n_layer=12"]
 PIPE = ["strategy=pp", "strategy.pipeline_parallel_size=2", "trainer.devices=2"]
+# 8 stages of 1F1B on 16 micro-batches: the planner's pipeline on 8 nodes
+PP_8 = "strategy=pp strategy.pipeline_parallel_size=8 strategy.pipeline.schedule=1f1b strategy.pipeline.microbatches=16"
 
 
 def world(n: int) -> list[str]:
@@ -35,51 +37,107 @@ def world(n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def plans() -> dict[int, planner.Plan]:
-    """world size -> the plan of the 85M GPT (memory set per case below)."""
+def plans() -> dict[tuple[int, int], planner.Plan]:
+    """(blocks, world size) -> the plan of that GPT (memory set per case below)."""
+    shapes = [(12, 1), (12, 8), (12, 64), (6, 8), (24, 64)]
+    return {(b, n): plan_of(*WIDE, f"model.net.n_layer={b}", *world(n)) for b, n in shapes}
+
+
+def plan_of(*overrides: str) -> planner.Plan:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        yield {n: planner.plan([*GPT_85M, *world(n)]) for n in (1, 8, 64)}
+        result = planner.plan(list(overrides))
     GlobalHydra.instance().clear()
+    return result
+
+
+def row(plan: planner.Plan, layout: str) -> planner.Row:
+    (found,) = [r for r in plan.rows if r.layout == layout]
+    return found
 
 
 def test_adam_costs_16_bytes_per_parameter_under_ddp(plans):
-    ddp = plans[8].rows[0]
+    ddp = row(plans[12, 8], "strategy=ddp")
     n = ddp.params // 4  # fp32
     tensors = 2 + 12 * 16 + 2 + 1  # embeddings, 12 blocks of 8 weights and 8 biases, final norm, head
     assert ddp.grads == 4 * n and ddp.optimizer == 8 * n + 4 * tensors  # two fp32 moments, a step count per tensor
-    fsdp = plans[8].rows[1]
-    assert fsdp.layout == "strategy=fsdp" and fsdp.states == pytest.approx(ddp.states / 8, rel=0.01)
-    assert plans[8].rows[0].activations == plans[64].rows[0].activations  # same micro-batch of 8 sequences
+    assert row(plans[12, 8], "strategy=fsdp").states == pytest.approx(ddp.states / 8, rel=0.01)
+    assert ddp.activations == row(plans[12, 64], "strategy=ddp").activations  # same micro-batch of 8 sequences
+    # DeepSpeed's estimators (16-bit mixed precision): ZeRO-2 replicates 16-bit weights (2 bytes per parameter)
+    # and shards the other 18; ZeRO-3 shards all 18 and gathers the largest layer (4 bytes per parameter)
+    largest = 768 * 3072 + 3072  # an MLP's fc layer, weight and bias
+    assert row(plans[12, 8], "strategy=deepspeed_stage_2").states == 2 * n + 18 * n // 8
+    assert row(plans[12, 8], "strategy=deepspeed_stage_3").states == 4 * largest + 18 * n // 8
 
 
 @pytest.mark.parametrize(
-    ("ranks", "memory_gib", "layout"),
+    ("blocks", "ranks", "memory_gib", "layout"),
     [
-        (8, 3.0, "strategy=ddp"),  # model states 1.27 GiB + activations 0.66 GiB fit one GPU
-        (8, 1.5, "strategy=fsdp"),  # DDP does not fit (1.94 GiB): shard over 8
-        (64, 1.5, "strategy=hsdp"),  # more ranks do not make DDP smaller; FSDP in each node of 8 fits ...
-        (8, 0.8, "strategy=deepspeed_stage_3_offload"),  # FSDP over 8 needs 0.82 GiB
-        (64, 0.8, "strategy=fsdp"),  # ... and where it does not, FSDP over 64 fits (0.68 GiB)
-        (1, 1.5, "strategy=deepspeed_stage_3_offload"),  # one GPU: offload is the only way down
-        (1, 3.0, "strategy=single"),
-        (8, 0.5, None),  # activations alone need 0.66 GiB: nothing fits
+        # 85M on 8 ranks, per rank (GiB): activations 0.66, model states: DDP 1.27, ZeRO-2 0.34, FSDP 0.16,
+        # ZeRO-3 0.19 (DeepSpeed's 18 bytes a parameter and the largest layer), ZeRO-3 + offload 0.01; a total
+        # fits under 90% of the memory
+        (12, 8, 3.0, "strategy=ddp"),  # 1.94 fits
+        (12, 8, 1.5, "strategy=deepspeed_stage_2"),  # DDP does not; ZeRO-2 (1.00) does, with DDP's traffic
+        (12, 8, 1.0, "strategy=fsdp"),  # ZeRO-2 does not, FSDP over 8 (0.82) does
+        (12, 64, 1.5, "strategy=deepspeed_stage_2"),  # more ranks do not make DDP smaller
+        (12, 64, 0.92, "strategy=hsdp"),  # ZeRO-2 over 64 (0.84) does not fit; FSDP in each node of 8 (0.82) does
+        (12, 64, 0.8, "strategy=fsdp"),  # ... and where that does not, FSDP over 64 (0.68)
+        (12, 8, 0.8, "strategy=deepspeed_stage_3_offload"),  # FSDP over 8 needs 0.82, ZeRO-3 0.85
+        (12, 1, 1.5, "strategy=deepspeed_stage_3_offload"),  # one GPU: offload is the only way down
+        (12, 1, 3.0, "strategy=single"),
+        (12, 8, 0.5, None),  # activations alone need 0.66: nothing fits
+        # the model's size flips it on the same cluster: 43M fits DDP (0.97) where 85M needs ZeRO-2 ...
+        (6, 8, 1.5, "strategy=ddp"),
+        # ... and 170M (activations 1.32) on 8 nodes a pipeline stage of 3 blocks per node (0.46), where ZeRO-2
+        # (1.68) and HSDP (1.64) do not fit; 85M's 12 blocks make no 8 stages, and ZeRO-2 fits it (above)
+        (24, 64, 1.5, PP_8),
     ],
 )
-def test_recommendation_flips_where_it_should(plans, ranks, memory_gib, layout):
-    result = dataclasses.replace(plans[ranks], memory=int(memory_gib * GiB))
+def test_recommendation_flips_where_it_should(plans, blocks, ranks, memory_gib, layout):
+    result = dataclasses.replace(plans[blocks, ranks], memory=int(memory_gib * GiB))
     assert (result.recommended.layout if result.recommended else None) == layout
 
 
 def test_hsdp_across_nodes_tensor_parallel_inside_a_node_and_fsdp_without_a_plan(compose_cfg):
     cfg = compose_cfg(*GPT_85M, *world(64))
-    assert planner.candidates(cfg, Topology.of(cfg))[1:4] == [
+    assert planner.candidates(cfg, Topology.of(cfg)) == [
+        ["strategy=ddp"],
+        ["strategy=deepspeed_stage_2"],
         ["strategy=hsdp"],
         ["strategy=fsdp"],
         ["strategy=fsdp_tp", "strategy.tensor_parallel_size=8"],
+        ["strategy=deepspeed_stage_3"],
+        ["strategy=deepspeed_stage_3_offload"],
     ]
     cfg = compose_cfg("model=digits", *world(8))  # no parallel plan: FSDP shards it whole, no TP
-    assert planner.candidates(cfg, Topology.of(cfg))[:2] == [["strategy=ddp"], ["strategy=fsdp"]]
+    assert [layout for (layout,) in planner.candidates(cfg, Topology.of(cfg))] == [
+        "strategy=ddp",
+        "strategy=deepspeed_stage_2",
+        "strategy=fsdp",
+        "strategy=deepspeed_stage_3",
+        "strategy=deepspeed_stage_3_offload",
+    ]
+
+
+def test_experts_split_where_the_model_has_them(compose_cfg):
+    """model=gpt_moe (4 experts of every block): each FSDP layout comes first with the experts split over 4
+    ranks of a node (as many bytes per rank, less traffic: a rank gathers only its own experts' weights).
+    FSDP2 splits a stacked expert tensor by rows, 1 per rank on ranks 0-3 of 8: rank 0 holds a quarter of the
+    experts however many ranks shard them, where ZeRO-3 splits every tensor evenly, so there ZeRO-3 fits first."""
+    moe = [*WIDE, "model=gpt_moe", "model.net.n_layer=4"]  # ~85M parameters, 75M of them in experts
+    ep = "strategy.expert_parallel_size=4"
+    cfg = compose_cfg(*moe, *world(64))
+    assert planner.candidates(cfg, Topology.of(cfg))[2:6] == [
+        ["strategy=hsdp", ep],
+        ["strategy=hsdp"],
+        ["strategy=fsdp", ep],
+        ["strategy=fsdp"],
+    ]
+    result = plan_of(*moe, *world(8))
+    assert row(result, f"strategy=fsdp {ep}").states == row(result, "strategy=fsdp").states
+    # totals (GiB): ZeRO-2 0.85, FSDP with or without EP 0.82, ZeRO-3 0.77; a total fits under 90%
+    for memory_gib, layout in [(0.93, f"strategy=fsdp {ep}"), (0.88, "strategy=deepspeed_stage_3")]:
+        assert dataclasses.replace(result, memory=int(memory_gib * GiB)).recommended.layout == layout
 
 
 def test_512_ranks_in_seconds(compose_cfg):
@@ -93,9 +151,9 @@ def test_512_ranks_in_seconds(compose_cfg):
 
 
 def test_plan_prints_the_table(capsys):
-    assert planner.main([*GPT_85M, *world(8), "cluster.gpu_memory_gb=1.5"]) == 0
+    assert planner.main([*GPT_85M, *world(8), "cluster.gpu_memory_gb=1"]) == 0
     out = capsys.readouterr().out
-    assert "per rank of 8; 1.50 GiB per device" in out and "fsdp <- use" in out
+    assert "per rank of 8; 1.00 GiB per device" in out and "fsdp <- use" in out
 
 
 def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
@@ -105,9 +163,8 @@ def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
     too_small = [*gpus, *big, "data.batch_size=32", "cluster.gpu_memory_gb=1"]
     assert submit.main(["--dry-run", *too_small]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error: strategy=ddp needs" in err and "use strategy=hsdp" in err, (
-        err
-    )  # 4 nodes: shard in a node, replicate across
+    # ZeRO-2: DDP's traffic, the 16-bit weights whole and the rest sharded over 32
+    assert err.count("\n") == 1 and "error: strategy=ddp needs" in err and "use strategy=deepspeed_stage_2" in err
     assert submit.main(["--dry-run", "--no-plan", *too_small]) == 0  # the flag skips the plan
 
 
@@ -118,7 +175,7 @@ def test_a_pipeline_stage_per_node(compose_cfg):
     two_nodes = ["trainer.devices=8", "trainer.num_nodes=2", "data.batch_size=128"]
     cfg = compose_cfg(*GPT_85M, *two_nodes, "strategy=ddp")
     pp = ["strategy=pp", "strategy.pipeline_parallel_size=2", "strategy.pipeline.schedule=1f1b"]
-    assert planner.candidates(cfg, Topology.of(cfg))[1:4] == [
+    assert planner.candidates(cfg, Topology.of(cfg))[2:5] == [
         ["strategy=hsdp"],
         [*pp, "strategy.pipeline.microbatches=4"],
         ["strategy=fsdp"],

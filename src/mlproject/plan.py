@@ -5,12 +5,14 @@ meta device (no memory, no weights), sharded by its own configure_model on a fak
 world size (torch's "fake" backend: collectives return at once, so 512 ranks take seconds), and given one
 AdamW step so the optimizer state exists. What one rank then holds is counted the way the footprint line
 counts it in a real run. DeepSpeed layouts use DeepSpeed's own estimators. The cheapest layout that fits the
-device memory is recommended: DDP, else HSDP (several nodes), else a pipeline stage per node (several nodes,
-a model whose plan has a `pipeline`), else FSDP, else FSDP x TP, else ZeRO-3 + offload.
+device memory is recommended: DDP, else ZeRO-2 (DDP's traffic), else HSDP (several nodes), else a pipeline stage
+per node (several nodes, a model whose plan has a `pipeline`), else FSDP (experts split first for a mixture of
+experts), else FSDP x TP, else ZeRO-3, else ZeRO-3 + offload.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -220,31 +222,37 @@ def largest(cfg: DictConfig, layout: str) -> Row:
 
 def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
-    allows: FSDP for any model (HSDP across nodes), pipeline stages across nodes where the model's plan has a
-    `pipeline` (pipeline_layout), TP inside a node where the model's plan splits layers."""
+    allows: DDP, ZeRO-2 (DDP's traffic, gradients and optimizer state sharded), FSDP for any model (HSDP across
+    nodes), pipeline stages across nodes where the model's plan has a `pipeline` (pipeline_layout), experts
+    split inside a node where it has `experts` (before the same layout without: it holds as much and gathers
+    only its own experts), TP inside a node where it splits layers, ZeRO-3, then ZeRO-3 with offload."""
     import importlib.util
 
-    plan = cfg.model.get("parallel")
-    zero = importlib.util.find_spec("deepspeed") is not None
+    plan = cfg.model.get("parallel") or {}
+    zero = importlib.util.find_spec("deepspeed") is not None and not ema_configured(cfg)  # EMA refuses DeepSpeed
     if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
-        offload = zero and not ema_configured(cfg)
-        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if offload else [])]
-    layouts = [["strategy=ddp"], ["strategy=fsdp"]]
-    if topology.nodes > 1:  # shards within a node, replicas across: fewer bytes over the slower links
-        layouts.insert(1, ["strategy=hsdp"])
+        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if zero else [])]
+    layouts = [["strategy=ddp"], *([["strategy=deepspeed_stage_2"]] if zero else [])]
+    # shards within a node, replicas across: fewer bytes over the slower links
+    sharded = [["strategy=hsdp"], ["strategy=fsdp"]] if topology.nodes > 1 else [["strategy=fsdp"]]
+    # EP divides the experts and a node, so every shard group (a node or all ranks): its all-to-alls stay in a node
+    experts = math.gcd((cfg.model.get("net") or {}).get("n_expert") or 1, topology.devices_per_node)
+    for layout in sharded:
+        if plan.get("experts") and experts > 1:
+            layouts.append([*layout, f"strategy.expert_parallel_size={experts}"])
+        layouts.append(layout)
         # pp after HSDP and before FSDP: a stage per node holds ~1/world of the model, as FSDP does, and sends
         # only activations between nodes, point to point, where FSDP gathers every block across them; its
         # bubble leaves GPUs idle, so HSDP (gradients alone cross nodes) comes first where it fits
-        if plan and plan.get("pipeline") and (pipeline := pipeline_layout(cfg, topology)):
-            layouts.insert(2, pipeline)
-    if plan:
-        heads = (cfg.model.get("net") or {}).get("n_head") or 0
-        sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
-        sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
-        if plan.get("colwise") and sizes:
-            layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
-    if zero and not ema_configured(cfg):  # DeepSpeed keeps the weights in its own partitions: no EMA there
-        layouts.append(["strategy=deepspeed_stage_3_offload"])
+        if layout == ["strategy=hsdp"] and plan.get("pipeline") and (pipeline := pipeline_layout(cfg, topology)):
+            layouts.append(pipeline)
+    heads = (cfg.model.get("net") or {}).get("n_head") or 0
+    sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
+    sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
+    if plan.get("colwise") and sizes:
+        layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
+    if zero:  # DeepSpeed keeps the weights in its own partitions
+        layouts += [["strategy=deepspeed_stage_3"], ["strategy=deepspeed_stage_3_offload"]]
     return layouts
 
 

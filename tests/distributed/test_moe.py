@@ -10,12 +10,14 @@ global batch), the final parameters and the test metrics; and what each rank hol
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 
 from tests.distributed.test_model_parallel import LOSS_RTOL, PARAM_ATOL, TINY, start_runs
 from tests.helpers.gpt import RARE, assert_trains_like
 
-MOE = [*TINY, "model=gpt_moe"]
+MOE = [*TINY, "model=gpt_moe", "trainer.log_every_n_steps=2"]  # step metrics (the expert loads) every 2nd step
 STRATEGIES = {
     "single": ["strategy=single"],
     "ddp": ["strategy=ddp", "trainer.devices=2"],  # expert loads summed over the world
@@ -43,6 +45,33 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
 def test_same_training_as_one_process(runs, name):
     assert_trains_like(runs[name], runs["single"], LOSS_RTOL, PARAM_ATOL, rare=RARE)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_loads_are_logged(runs):
+    """train/moe/load/layer<i>/expert<e>: expert e's share of layer i's routed token slots (k = 2 distinct experts
+    per token) in the global batch of 8 x 32 tokens: a multiple of 1/512, at most 1/2 (an expert takes a token
+    once), a layer's 4 shares sum to 1 (measured: by step 3 the routing of a layer may collapse onto 2 experts
+    at 1/2 each). Every 2nd of the 6 steps; DDP and EP 2 x FSDP 2 count the same global batch, so they log the
+    single process's shares."""
+    single = expert_loads(runs["single"])
+    assert set(single) == {1, 3, 5}
+    for shares in single.values():
+        assert len(shares) == 2 * 4  # 2 blocks of 4 experts
+        for layer in (0, 1):
+            layer_shares = [shares[f"train/moe/load/layer{layer}/expert{e}"] for e in range(4)]
+            assert sum(layer_shares) == pytest.approx(1)
+            assert all(0 <= s <= 1 / 2 and s * 512 == pytest.approx(round(s * 512), abs=1e-3) for s in layer_shares)
+    for name in ("ddp", "ep2_fsdp2"):
+        assert expert_loads(runs[name]) == single, name
+
+
+def expert_loads(run: dict) -> dict[int, dict[str, float]]:
+    """step -> the expert loads the run's CSV logger wrote at that step."""
+    (logged,) = run["run_dir"].rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(logged.open()) if r.get("train/moe/load/layer0/expert0")]
+    return {int(r["step"]): {k: float(v) for k, v in r.items() if k.startswith("train/moe/load/")} for r in rows}
 
 
 @pytest.mark.slow

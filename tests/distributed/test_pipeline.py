@@ -3,7 +3,7 @@ composed with FSDP and TP; impossible pipelines are refused before any process s
 
 As in test_model_parallel.py: real `python -m mlproject.train` runs with gloo processes, fp32, the same seed
 and global batch, compared with the single process on the loss of every step, the final parameters (merged
-from every stage) and the test metrics. The GPT has 4 blocks here, so that interleaved_1f1b has 2 stages of
+from every stage), the val and test metrics. The GPT has 4 blocks here, so that interleaved_1f1b has 2 stages of
 one block per rank.
 """
 
@@ -16,7 +16,9 @@ import pytest
 from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, start_runs
 from tests.helpers.gpt import RARE, assert_trains_like
 
-PIPE = [o for o in TINY if not o.startswith("model.net.n_layer=")] + ["model.net.n_layer=4"]
+# validation once, after the 6th (last) step: val/* through the pipeline against the single process's
+PIPE = [o for o in TINY if not o.startswith(("model.net.n_layer=", "+trainer.limit_val_batches="))]
+PIPE += ["model.net.n_layer=4", "+trainer.val_check_interval=6"]
 # Twice test_model_parallel's: a pipeline sums each gradient over micro-batches, a longer reordering of the
 # additions (measured here: <= 5e-6 everywhere but a rare element or two, see RARE).
 PARAM_ATOL = 1e-5
@@ -44,11 +46,25 @@ STRATEGIES = {
         "strategy.pipeline.schedule=interleaved_1f1b",
         "strategy.pipeline.microbatches=4",
     ],
-    # 2 stages x 2 FSDP shards: 4 sequences per data-parallel rank, 2 micro-batches of 2
-    "pp_fsdp": [*PP, "trainer.devices=4", "strategy.pipeline.microbatches=2"],
-    # 2 stages x 2 TP ranks (one data-parallel rank)
-    "pp_tp": [*PP, "trainer.devices=4", "strategy.tensor_parallel_size=2", "strategy.pipeline.microbatches=4"],
 }
+# Clipping by the global norm binds under pp: pp x tp (DTensor and plain gradients on 2 stages) clips every
+# step's gradient to a norm of 0.05, as one process with the same value does, which ends elsewhere than the
+# single process that clips to 1.0 (test_clipping_binds)
+CLIP = "trainer.gradient_clip_val=0.05"
+# 2 stages x 2 FSDP shards (4 sequences per data-parallel rank: 2 micro-batches of 2) and 2 stages x 2 TP ranks
+# (one data-parallel rank: 4 micro-batches of 2), each on 1f1b and one more schedule, so that every schedule
+# runs composed: interleaved (2 stages per rank, both FSDP-sharded) under fsdp, gpipe under tp. (All six
+# pairs: 217 s for the module on 2 cores, against 73 s before any; these four: 117 s.)
+PP_FSDP = [*PP, "trainer.devices=4", "strategy.pipeline.microbatches=2"]
+PP_TP = [*PP, "trainer.devices=4", "strategy.tensor_parallel_size=2", "strategy.pipeline.microbatches=4"]
+STRATEGIES |= {
+    "pp_fsdp": PP_FSDP,
+    "pp_fsdp_interleaved_1f1b": [*PP_FSDP, "strategy.pipeline.schedule=interleaved_1f1b"],
+    "pp_tp": [*PP_TP, CLIP],
+    "pp_tp_gpipe": [*PP_TP, "strategy.pipeline.schedule=gpipe"],
+    "single_clip": ["strategy=single", CLIP],
+}
+REFERENCE = {"pp_tp": "single_clip"}  # the other runs: single
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +74,34 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the first test waits for all runs
-@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if not n.startswith("single")])
 def test_same_training_as_one_process(runs, name):
     # every stage's parameters under the single process's names; evaluation runs through the pipeline too
-    assert_trains_like(runs[name], runs["single"], LOSS_RTOL, PARAM_ATOL, rare=RARE)
+    ref = runs[REFERENCE.get(name, "single")]
+    assert_trains_like(runs[name], ref, LOSS_RTOL, PARAM_ATOL, rare=RARE)
+    got, expected = validated(runs[name]), validated(ref)
+    assert got.keys() == expected.keys() == {"val/loss", "val/acc", "val/samples"}
+    assert got["val/loss"] == pytest.approx(expected["val/loss"], rel=LOSS_RTOL)  # as test/*: assert_trains_like
+    assert got["val/acc"] == pytest.approx(expected["val/acc"], abs=1e-3)
+    assert got["val/samples"] == expected["val/samples"] > 0  # each validation sequence once
+
+
+def validated(run: dict) -> dict[str, float]:
+    """The val/* metrics of the run's one validation (after its last step), as its CSV logger wrote them."""
+    (logged,) = run["run_dir"].rglob("metrics.csv")
+    (row,) = [r for r in csv.DictReader(logged.open()) if r.get("val/loss")]
+    return {k: float(v) for k, v in row.items() if k.startswith("val/") and v}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the first test waits for all runs
+def test_clipping_binds(runs):
+    """A norm of 0.05 changes the training (the pp x tp run equals the single process clipping to 0.05, above):
+    the gradient's norm exceeds it, which the default 1.0 of the other runs need not."""
+    clipped, default = runs["single_clip"], runs["single"]
+    assert clipped["losses"][0] == default["losses"][0]  # the same first step: clipping acts after its backward
+    moved = max((clipped["state"][k] - v).abs().max().item() for k, v in default["state"].items())
+    assert moved > 100 * PARAM_ATOL
 
 
 @pytest.mark.slow
