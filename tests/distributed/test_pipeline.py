@@ -52,16 +52,16 @@ STRATEGIES = {
 # single process that clips to 1.0 (test_clipping_binds)
 CLIP = "trainer.gradient_clip_val=0.05"
 # 2 stages x 2 FSDP shards (4 sequences per data-parallel rank: 2 micro-batches of 2) and 2 stages x 2 TP ranks
-# (one data-parallel rank: 4 micro-batches of 2), each on 1f1b and one more schedule, so that every schedule
-# runs composed: interleaved (2 stages per rank, both FSDP-sharded) under fsdp, gpipe under tp. (All six
-# pairs: 217 s for the module on 2 cores, against 73 s before any; these four: 117 s.)
+# (one data-parallel rank: 4 micro-batches of 2), each on every schedule (interleaved: 2 stages per rank)
 PP_FSDP = [*PP, "trainer.devices=4", "strategy.pipeline.microbatches=2"]
 PP_TP = [*PP, "trainer.devices=4", "strategy.tensor_parallel_size=2", "strategy.pipeline.microbatches=4"]
 STRATEGIES |= {
     "pp_fsdp": PP_FSDP,
+    "pp_fsdp_gpipe": [*PP_FSDP, "strategy.pipeline.schedule=gpipe"],
     "pp_fsdp_interleaved_1f1b": [*PP_FSDP, "strategy.pipeline.schedule=interleaved_1f1b"],
     "pp_tp": [*PP_TP, CLIP],
     "pp_tp_gpipe": [*PP_TP, "strategy.pipeline.schedule=gpipe"],
+    "pp_tp_interleaved_1f1b": [*PP_TP, "strategy.pipeline.schedule=interleaved_1f1b"],
     "single_clip": ["strategy=single", CLIP],
 }
 REFERENCE = {"pp_tp": "single_clip"}  # the other runs: single
