@@ -1,5 +1,6 @@
-"""data=images: an image folder written by the test trains and evaluates exactly on 1 and 3 processes, and a
-run with dataloader workers and random augmentation resumes mid-epoch bitwise."""
+"""data=images: an image folder written by the test trains and evaluates exactly on 1 and 3 processes, a
+run with dataloader workers and random augmentation resumes mid-epoch bitwise, and a resume on another
+world size continues with the next global batch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from PIL import Image
 
 from mlproject.data.images import ImagesDataModule
-from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, weights
+from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, train, weights
+from tests.data.resume import assert_close_to, assert_resumed_in_place, record
 from tests.helpers.processes import FAST, read_metrics, run, run_dirs, together
 
 
@@ -86,3 +88,38 @@ def test_workers_resume_mid_epoch_bitwise_with_augmentation(tmp_path):
     straight = weights(run_dir(logs, "workers") / "checkpoints" / "last.ckpt")
     assert_bitwise(straight, weights(run_dir(logs, "main") / "checkpoints" / "last.ckpt"))
     assert_bitwise(straight, weights(run_dir(logs, "killed") / "checkpoints" / "last.ckpt"))
+
+
+@pytest.mark.slow
+def test_resume_from_1_process_on_2_reads_the_next_global_batch(tmp_path):
+    """42 training images, 5 steps of 8 per epoch, random crops on: a run on 1 process killed at step 8 (its
+    last checkpoint: step 6, one step into epoch 2; steps 6 and 7 are lost) resumes with ckpt_path=auto on 2
+    processes. From step 6 on they read the straight run's batches, so each epoch's images are read once over
+    the two halves, and the final parameters are the straight run's up to reduction order (CLOSE): no
+    dropout, BatchNorm synced over the global batch, augmentation drawn per sample."""
+    folder = write_folder(tmp_path / "img")
+    setup = [
+        "trainer.max_epochs=2",
+        "data=images",
+        f"data.dir={folder}",
+        "data.source=null",
+        "data.channels=3",
+        "data.batch_size=8",
+        "model.num_classes=3",
+        "model.net.dropout=0.0",
+        "model.scheduler.warmup_steps=2",
+        "trainer.sync_batchnorm=true",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+    ]
+    logs = {name: tmp_path / name for name in ("straight", "killed")}
+
+    def killed_then_resumed():
+        one = [*setup, "ckpt_path=auto", *record(tmp_path / "before"), *kill_at(8)]
+        assert train(logs["killed"], "killed", *one, check=False).returncode != 0
+        two = [*setup, "strategy=ddp", "trainer.devices=2", "ckpt_path=auto", *record(tmp_path / "after")]
+        train(logs["killed"], "killed", *two)
+
+    together(lambda: train(logs["straight"], "straight", *setup, *record(tmp_path / "seen")), killed_then_resumed)
+    assert_resumed_in_place(tmp_path / "seen", tmp_path / "before", tmp_path / "after", at=(1, 6), batch=8)
+    straight, resumed = (weights(run_dir(logs[r], r) / "checkpoints" / "last.ckpt") for r in ("straight", "killed"))
+    print(f"max |param - straight run's| after resuming 1 -> 2 processes: {assert_close_to(straight, resumed):.1e}")

@@ -1,5 +1,6 @@
 """data=tokens: preparation once per node, atomic and skipped when up to date; training reads a corpus
-larger than what a rank holds in memory."""
+larger than what a rank holds in memory; evaluation is exact and a resume on another world size continues
+with the next global batch."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import pytest
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.core.errors import ConfigError
 from mlproject.data.tokens import TokensDataModule
-from tests.helpers.processes import FAST, clean_env, free_port, run
+from tests.checkpoint.helpers import kill_at, run_dir, train, wait_until_gone, weights
+from tests.data.resume import assert_close_to, assert_resumed_in_place, record
+from tests.helpers.processes import FAST, clean_env, free_port, read_metrics, run, run_dirs, together
 
 TINY_GPT = ["model=gpt", "model.net.n_layer=1", "model.net.n_head=2", "model.net.n_embd=32"]
 FEW_STEPS = ["trainer.max_epochs=1", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2", "test=false"]
@@ -26,15 +29,16 @@ PEAK_RSS = 1 << 30  # bytes a rank may reach at peak while training on the >= 1 
 
 
 def write_corpus(dir: Path, size: int, files: int = 1) -> Path:
-    """`files` text files of `size` bytes in all, a 1 MiB block of random words repeated (fast to write)."""
+    """`files` text files of `size` bytes in all, a 1 MiB block of random words repeated (fast to write);
+    under 1 MiB, the block's start."""
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdefghijklmnop"), n)) for n in rng.integers(2, 9, 500)]
     block = "\n".join(" ".join(rng.choice(words, 12)) for _ in range(20000)).encode()[: 1 << 20]
     dir.mkdir(parents=True)
     for k in range(files):
         with open(dir / f"part{k}.txt", "wb") as f:
-            for _ in range(size // files // len(block)):
-                f.write(block)
+            for start in range(0, size // files, len(block)):
+                f.write(block[: size // files - start])
     return dir
 
 
@@ -188,3 +192,70 @@ def test_two_nodes_of_two_processes_prepare_once_per_node(tmp_path):
     assert len(lines) == 2 and "[rank 0]" in lines[0] + lines[1] and "[rank 2]" in lines[0] + lines[1], lines
     for node in range(2):
         assert json.loads((tmp_path / f"node{node}" / "manifest.json").read_text())["tokens"] == 8 << 20
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory) -> dict[str, Path]:
+    """2 KiB of text in windows of 16 tokens: 90 train (5 steps of 16 per epoch, 2 epochs), 12 val, 25 test.
+    A straight run on 1 process tests its best checkpoint, which `eval` then tests on 3 processes; meanwhile a
+    run on 2 processes, killed at step 8 (its last checkpoint: step 6, one step into epoch 2; steps 6 and 7 are
+    lost), resumes with ckpt_path=auto on 1 process. Every run records the samples of each step."""
+    tmp = tmp_path_factory.mktemp("small")
+    corpus = write_corpus(tmp / "corpus", 2048)
+    datamodule(corpus, tmp / "tok").prepare_data()  # before the runs that read it start together
+    setup = [
+        *TINY_GPT,
+        "model.scheduler.warmup_steps=2",
+        "trainer.max_epochs=2",
+        "data=tokens",
+        f"data.source={corpus}/*.txt",
+        f"data.dir={tmp}/tok",
+        "data.block_size=16",
+        "data.batch_size=16",
+        "data.val_fraction=0.1",
+        "data.test_fraction=0.2",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+    ]
+    out = {name: tmp / name for name in ("straight", "eval", "killed", "seen", "before", "after")}
+
+    def straight_then_eval():
+        train(out["straight"], "straight", *setup, *record(out["seen"]), test=True)
+        (best,) = run_dir(out["straight"], "straight").glob("checkpoints/epoch_*.ckpt")
+        run("eval", f"ckpt_path={best}", *FAST, "strategy=ddp", "trainer.devices=3", log_dir=out["eval"])
+
+    def killed_then_resumed():
+        two = [*setup, "strategy=ddp", "trainer.devices=2", "ckpt_path=auto", *record(out["before"]), *kill_at(8)]
+        assert train(out["killed"], "killed", *two, check=False).returncode != 0
+        wait_until_gone(f"paths.log_dir={out['killed']}", 60)  # rank 1 kills itself too
+        train(out["killed"], "killed", *setup, "ckpt_path=auto", *record(out["after"]))
+
+    together(straight_then_eval, killed_then_resumed)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_windows_evaluate_exactly_on_3_processes(small_runs):
+    """The 25 test windows do not divide by 3 (9, 8, 8 per rank, each padded to 9): 3 processes report
+    what 1 process reported for the same checkpoint, every window counted once."""
+    (one,), (three,) = run_dirs(small_runs["straight"]), run_dirs(small_runs["eval"], "eval")
+    m1 = {k: v for k, v in read_metrics(one).items() if k.startswith("test/")}
+    m3 = read_metrics(three)
+    assert m1["test/samples"] == m3["test/samples"] == 25
+    assert m1["test/acc"] == m3["test/acc"]
+    assert m1["test/loss"] == pytest.approx(m3["test/loss"], rel=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_from_2_processes_on_1_reads_the_next_global_batch(small_runs):
+    """The resumed process continues at the global data position of the 2 killed ones: from step 6 on it
+    reads the straight run's batches, so each epoch's windows are read once over the two halves, and its
+    final parameters are the straight run's up to reduction order (CLOSE)."""
+    runs = small_runs
+    assert_resumed_in_place(runs["seen"], runs["before"], runs["after"], at=(1, 6), batch=16)
+    last = "checkpoints/last.ckpt"
+    diff = assert_close_to(
+        weights(run_dir(runs["straight"], "straight") / last), weights(run_dir(runs["killed"], "killed") / last)
+    )
+    print(f"max |param - straight run's| after resuming 2 -> 1 process: {diff:.1e}")
