@@ -58,6 +58,16 @@ def test_augmentation_is_seeded_by_seed_epoch_and_index_only():
     assert not torch.equal(data[(2, 0)][0], a) and not torch.equal(data[(3, 1)][0], a)
 
 
+def test_datasets_that_draw_nothing_are_read_without_seeding():
+    """The seeding costs ~100 us a sample: tensors and plain slices skip it; any other dataset is seeded."""
+    from mlproject.data.text import Chunks
+
+    tensors = torch.utils.data.TensorDataset(torch.arange(4.0), torch.arange(4))
+    assert not Indexed(torch.utils.data.Subset(tensors, [1, 2])).seeded
+    assert not Indexed(Chunks(torch.arange(9), 4)).seeded
+    assert Indexed(Noisy()).seeded and Indexed(torch.utils.data.Subset(Noisy(), [1])).seeded
+
+
 def test_per_device_batch_size():
     assert per_device_batch_size(64, 2, 2) == 16
     with pytest.raises(ConfigError, match="multiple of 6"):
