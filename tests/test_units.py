@@ -158,3 +158,20 @@ def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
     batches = iter(resumed)
     sampler.set_epoch(1)
     assert [next(batches)[2].tolist() for _ in range(3)] == want
+
+
+def test_logged_values_move_only_when_on_another_device():
+    """build_trainer skips Lightning's per-call walk of a logged value's accumulator already on the value's
+    device; the accumulation is unchanged, and a value on another device still moves it."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    from mlproject.build import skip_redundant_log_moves
+
+    skip_redundant_log_moves()
+    results = _ResultCollection(training=True)
+    for value, batch in ((1.0, 2), (4.0, 1)):
+        results.log("training_step", "loss", torch.tensor(value), on_step=False, on_epoch=True, batch_size=batch)
+    metric = results["training_step.loss"]
+    assert metric.compute().item() == 2.0  # (1 * 2 + 4 * 1) / 3
+    metric.to(torch.device("meta"))
+    assert metric.value.device.type == metric.cumulated_batch_size.device.type == "meta"

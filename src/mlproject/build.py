@@ -169,6 +169,7 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
         divergence = cfg.get("divergence") or {}
         callbacks = [*callbacks, Signals(every, divergence.get("skip", False), divergence.get("max_skipped", 10))]
 
+    skip_redundant_log_moves()
     plugins = [*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins]
     if cfg.trainer.get("sync_batchnorm"):
         plugins.append(SyncBatchNormPlugin())
@@ -183,6 +184,28 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
         logger=loggers or False,
         plugins=plugins or None,
     )
+
+
+def skip_redundant_log_moves() -> None:
+    """Every `self.log` call moves the value's accumulator to the value's device by walking (and deep-copying)
+    all its attributes, even when it is there already (Lightning-AI/pytorch-lightning#20388): ~0.15 ms of CPU
+    a call, over a tenth of a small model's step. The walk is skipped for a tensor's accumulator already on
+    that device, where it would move nothing."""
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    move = _ResultMetric.to
+    if getattr(move, "skips_redundant_moves", False):
+        return
+
+    def to(self, *args, **kwargs):
+        device = args[0] if len(args) == 1 and not kwargs else None
+        if self.is_tensor and isinstance(device, torch.device) and self.value.device == device:
+            return self
+        return move(self, *args, **kwargs)
+
+    to.skips_redundant_moves = True
+    _ResultMetric.to = to
 
 
 @contextlib.contextmanager
