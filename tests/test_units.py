@@ -165,7 +165,7 @@ def test_logged_values_move_only_when_on_another_device():
     device; the accumulation is unchanged, and a value on another device still moves it."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    from mlproject.build import skip_redundant_log_moves
+    from mlproject.utils.hot_path import skip_redundant_log_moves
 
     skip_redundant_log_moves()
     results = _ResultCollection(training=True)

@@ -163,6 +163,7 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
 
     from mlproject.cluster.requeue import Signals
     from mlproject.distributed.syncbn import SyncBatchNormPlugin
+    from mlproject.utils.hot_path import NoProfiler, skip_redundant_log_moves
 
     if not any(isinstance(c, Signals) for c in callbacks):
         every = OmegaConf.select(cfg, "cluster.signal_check_every_n_steps", default=10)
@@ -183,29 +184,8 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins or None,
+        **({} if cfg.trainer.get("profiler") else {"profiler": NoProfiler()}),
     )
-
-
-def skip_redundant_log_moves() -> None:
-    """Every `self.log` call moves the value's accumulator to the value's device by walking (and deep-copying)
-    all its attributes, even when it is there already (Lightning-AI/pytorch-lightning#20388): ~0.15 ms of CPU
-    a call, over a tenth of a small model's step. The walk is skipped for a tensor's accumulator already on
-    that device, where it would move nothing."""
-    import torch
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-
-    move = _ResultMetric.to
-    if getattr(move, "skips_redundant_moves", False):
-        return
-
-    def to(self, *args, **kwargs):
-        device = args[0] if len(args) == 1 and not kwargs else None
-        if self.is_tensor and isinstance(device, torch.device) and self.value.device == device:
-            return self
-        return move(self, *args, **kwargs)
-
-    to.skips_redundant_moves = True
-    _ResultMetric.to = to
 
 
 @contextlib.contextmanager
