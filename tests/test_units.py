@@ -58,6 +58,16 @@ def test_augmentation_is_seeded_by_seed_epoch_and_index_only():
     assert not torch.equal(data[(2, 0)][0], a) and not torch.equal(data[(3, 1)][0], a)
 
 
+def test_datasets_that_draw_nothing_are_read_without_seeding():
+    """The seeding costs ~100 us a sample: tensors and plain slices skip it; any other dataset is seeded."""
+    from mlproject.data.text import Chunks
+
+    tensors = torch.utils.data.TensorDataset(torch.arange(4.0), torch.arange(4))
+    assert not Indexed(torch.utils.data.Subset(tensors, [1, 2])).seeded
+    assert not Indexed(Chunks(torch.arange(9), 4)).seeded
+    assert Indexed(Noisy()).seeded and Indexed(torch.utils.data.Subset(Noisy(), [1])).seeded
+
+
 def test_per_device_batch_size():
     assert per_device_batch_size(64, 2, 2) == 16
     with pytest.raises(ConfigError, match="multiple of 6"):
@@ -148,3 +158,20 @@ def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
     batches = iter(resumed)
     sampler.set_epoch(1)
     assert [next(batches)[2].tolist() for _ in range(3)] == want
+
+
+def test_logged_values_move_only_when_on_another_device():
+    """build_trainer skips Lightning's per-call walk of a logged value's accumulator already on the value's
+    device; the accumulation is unchanged, and a value on another device still moves it."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    from mlproject.utils.hot_path import skip_redundant_log_moves
+
+    skip_redundant_log_moves()
+    results = _ResultCollection(training=True)
+    for value, batch in ((1.0, 2), (4.0, 1)):
+        results.log("training_step", "loss", torch.tensor(value), on_step=False, on_epoch=True, batch_size=batch)
+    metric = results["training_step.loss"]
+    assert metric.compute().item() == 2.0  # (1 * 2 + 4 * 1) / 3
+    metric.to(torch.device("meta"))
+    assert metric.value.device.type == metric.cumulated_batch_size.device.type == "meta"

@@ -104,6 +104,8 @@ class Windows(Dataset):
     in the process's resident memory, so a long epoch would look like the corpus in memory.
     """
 
+    draws_random = False  # plain slices: Indexed needs no seeding (data/base.py)
+
     def __init__(self, dir: Path, manifest: dict, block_size: int, first: int, count: int):
         self.paths = [str(dir / s["file"]) for s in manifest["shards"]]
         self.dtype, self.block_size, self.first, self.count = manifest["dtype"], block_size, first, count
