@@ -57,6 +57,8 @@ class ZeroShards:
         # one dict (name -> shape) per flat group of the torch optimizer, in the writer's order
         self.groups = [{k.removeprefix(PREFIX): v for k, v in g.items()} for g in self.client["param_shapes"]]
         self.shapes = {name: shape for group in self.groups for name, shape in group.items()}
+        shared = self.client["shared_params"].items()  # tied weights, saved once under the name they alias
+        self.aliases = {alias.removeprefix(PREFIX): name.removeprefix(PREFIX) for alias, name in shared}
         self.pieces: dict[str, list[Piece]] = {name: [] for name in self.shapes}
         (self._zero3_pieces if self.zero3 else self._zero12_pieces)()
 
@@ -105,6 +107,7 @@ class ZeroShards:
     def read(self, name: str, key: str | None = None, start: int = 0, numel: int | None = None) -> torch.Tensor:
         """Elements [start, start + numel) of the flattened fp32 weights of `name` (`key` None) or of its
         optimizer state `key` (e.g. 'exp_avg'), as a new tensor."""
+        name = self.aliases.get(name, name)
         numel = math.prod(self.shapes[name]) - start if numel is None else numel
         out = torch.empty(numel, dtype=torch.float32)
         for piece in self.pieces[name]:
