@@ -99,36 +99,38 @@ class ModelParallel(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         """Each rank reads only what it will hold. A sharded directory: DCP reshards it (Lightning's load). A
-        full file (single, ddp) is memory-mapped and a DeepSpeed directory read by slice (zero_shards.py): each
-        rank takes the block of every parameter and AdamW moment its shards hold (`_load_shards`). Their
+        full file (single, ddp) or a DeepSpeed directory: each rank reads the blocks of every parameter and
+        AdamW moment that its shards hold, by element range (`_load_shards`; not memory-mapped, whose pages
+        would count as the rank's memory, nor gathered on rank 0 as torch's full-state-dict loader does). Their
         optimizer state is keyed by position, which Lightning maps to parameters in module order: it is
         re-keyed by name in the single process's order of the optimizers' groups first (param_names,
         checkpoint/convert.py)."""
         from mlproject.checkpoint.convert import checkpoint_format, deepspeed_checkpoint, name_optimizer_states
-        from mlproject.checkpoint.zero_shards import ZeroShards
+        from mlproject.checkpoint.zero_shards import ZeroShards, load_meta, read_into
 
         path = Path(self.broadcast(checkpoint_path))
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
-        if path.is_file():
-            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
-        else:
-            shards = ZeroShards(path)
-            checkpoint = deepspeed_checkpoint(shards, full=False)
         # Positions count every parameter of the writer, so under a pipeline every stage's names are needed
         # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
-        name_optimizer_states(checkpoint, [self.param_names(optimizer) for optimizer in self.optimizers])
+        orders = [self.param_names(optimizer) for optimizer in self.optimizers]
         if path.is_file():
-            state_dict = checkpoint["state_dict"]
-            states = {name: entry for saved in checkpoint["optimizer_states"] for name, entry in saved["state"].items()}
+            checkpoint = name_optimizer_states(
+                torch.load(path, mmap=True, map_location="cpu", weights_only=False), orders
+            )
+            meta = name_optimizer_states(load_meta(path), orders)  # where each tensor lies in the file
+            states = {name: entry for saved in meta["optimizer_states"] for name, entry in saved["state"].items()}
 
             def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
-                full = state_dict[name] if key is None else states[name][key]
-                return full.flatten().narrow(0, start, numel)  # memory-mapped: only these pages are read
+                saved = meta["state_dict"][name] if key is None else states[name][key]
+                out = torch.empty(numel, dtype=saved.dtype)
+                read_into(out, path, saved, start)
+                return out
 
         else:
-            read = shards.read
+            shards = ZeroShards(path)
+            checkpoint, read = name_optimizer_states(deepspeed_checkpoint(shards, full=False), orders), shards.read
         self._load_shards(read, checkpoint)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
@@ -143,45 +145,31 @@ class ModelParallel(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
-            get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
-        from torch.distributed.tensor import DTensor
 
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
         saved = checkpoint.pop("state_dict")
-        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         # A pipeline stage holds only its own modules: the file's other keys are the other stages', not unexpected.
         state_dict = {} if getattr(self.lightning_module, "pipeline", None) is not None else dict(saved)
-        for name, tensor in get_model_state_dict(self.model, options=options).items():
-            if name not in saved:
-                continue
-            if name not in params:  # a buffer, whole on every rank
-                state_dict[name] = saved[name]
-                continue
-            local = local_block(tensor, partial(read, name, None))
-            if isinstance(tensor, DTensor):
-                local = DTensor.from_local(
-                    local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
-                )
-            state_dict[name] = local
+        for name in get_model_state_dict(self.model, options=options):
+            if name in saved:  # else strict loading reports it; buffers are whole on every rank
+                state_dict[name] = read_like(params[name], partial(read, name, None)) if name in params else saved[name]
         set_model_state_dict(self.model, state_dict, options=options)
+        del state_dict  # in the parameters now: free it before the moments are read
+        names = {p: name for name, p in self.model.named_parameters()}  # a tied weight's first name, as param_names
         for optimizer, optim in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            # The optimizer's own state (created here, as set_optimizer_state_dict would) is read into: a copy
-            # would hold this rank's share of the moments twice.
-            state = {}
-            for name, entry in get_optimizer_state_dict(self.model, optimizer, options=options)["state"].items():
-                if name not in optim["state"]:
-                    continue  # strict loading reports it
-                state[name] = {}
-                for key, value in entry.items():
-                    if key == "step":
-                        state[name][key] = optim["state"][name][key].clone()
-                        continue
-                    local = value.to_local() if isinstance(value, DTensor) else value
-                    local.copy_(local_block(value, partial(read, name, key)))
-                    state[name][key] = value
+            # The blocks become the optimizer's state before torch's loader sees it: finding the state made, it
+            # skips the zero-gradient step that makes it (gradients and moments of its own besides these).
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
+                if (entry := optim["state"].get(names[p])) is not None:  # else strict loading reports it
+                    optimizer.state[p] = {
+                        key: value.clone() if key == "step" else read_like(p, partial(read, names[p], key))
+                        for key, value in entry.items()
+                    }
+            state = {names[p]: entry for p, entry in optimizer.state.items()}
             # Each group names every stage's parameters (a stage takes its own); how the step runs is this
             # layout's choice (models/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
             groups = [
@@ -420,6 +408,17 @@ def clip_grad_norm_(parameters, max_norm: float, pipeline_parallel_size: int = 1
     return total
 
 
+def read_like(tensor: torch.Tensor, read) -> torch.Tensor:
+    """A tensor laid out as `tensor` (a DTensor: this rank's shard, with its placements) from `read(start,
+    numel)` over the full tensor's flattened elements."""
+    from torch.distributed.tensor import DTensor
+
+    local = local_block(tensor, read)
+    if not isinstance(tensor, DTensor):
+        return local
+    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride())
+
+
 def local_block(tensor: torch.Tensor, read) -> torch.Tensor:
     """What this rank holds of `tensor` (a DTensor's local shard, all of a plain tensor) as a new tensor, from
     `read(start, numel)` over the full tensor's flattened elements: one read for a block of whole rows (a dim-0
@@ -435,12 +434,16 @@ def local_block(tensor: torch.Tensor, read) -> torch.Tensor:
         local, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
     split = max((d for d in range(len(shape)) if local[d] != shape[d]), default=0)  # whole beyond this dim
     stride = torch.empty(shape, device="meta").stride()
+    indices = itertools.product(*(range(o, o + n) for o, n in zip(offset[:split], local[:split], strict=True)))
+    starts = [
+        sum(i * s for i, s in zip((*index, *offset[split : split + 1]), stride, strict=False)) for index in indices
+    ]
+    run = math.prod(local[split:])
+    if len(starts) == 1:  # one range: the read is the block (no copy of it held besides)
+        return read(starts[0], run).to(tensor.dtype).view(local)
     out = torch.empty(math.prod(local), dtype=tensor.dtype)
-    run, done = math.prod(local[split:]), 0
-    for index in itertools.product(*(range(o, o + n) for o, n in zip(offset[:split], local[:split], strict=True))):
-        start = sum(i * s for i, s in zip((*index, *offset[split : split + 1]), stride, strict=False))
-        out[done : done + run] = read(start, run)
-        done += run
+    for i, start in enumerate(starts):
+        out[i * run : (i + 1) * run] = read(start, run)
     return out.view(local)
 
 
