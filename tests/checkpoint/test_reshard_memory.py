@@ -2,15 +2,16 @@
 
 Under fsdp (hsdp, tp, pp): a sharded checkpoint is resharded by torch.distributed.checkpoint by the global
 offsets of each rank's DTensor shards (Lightning's ModelParallelStrategy loads a checkpoint directory that
-way); from a full file (single, ddp; memory-mapped) or a DeepSpeed directory (read by element range,
-checkpoint/zero_shards.py) each rank reads the blocks of its shards and loads them as sharded state dicts
+way); from a full file (single, ddp) or a DeepSpeed directory, each rank reads the blocks of its shards by
+element range (checkpoint/zero_shards.py) and loads them as sharded state dicts
 (distributed/parallel.ModelParallel.load_checkpoint). Under deepspeed_*: each rank reads the slices of its
 ZeRO partitions out of another ZeRO layout, a file or fsdp shards (the stored chunks that overlap them,
 checkpoint/dcp_shards.py).
 
 Measured as each rank's peak host memory when training starts (after the restore, before the first step),
 against a fresh run of the same layout: a resumed rank holds in addition its share of the optimizer state
-(a fresh AdamW has none before its first step) plus a constant for the loader's buffers. Reading the whole
+(a fresh AdamW has none before its first step) plus a constant for the loader's buffers (and DeepSpeed's
+import, when a run that has none reads a DeepSpeed checkpoint: its pickles need it). Reading the whole
 checkpoint would cost every rank 230 MB. Each resumed run also saves the state it restored, which must be
 the checkpoint's, bitwise.
 """
