@@ -162,3 +162,24 @@ def name_optimizer_states(checkpoint: dict[str, Any], orders: list[list[list[str
             {**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]
         ]
     return checkpoint
+
+
+def sliced_file(path: str | Path, orders: list[list[list[str]]]) -> tuple[dict[str, Any], Any]:
+    """A full file (single, ddp) for a rank that reads only slices of it: the checkpoint memory-mapped, its
+    optimizer states keyed by name (name_optimizer_states with `orders`), and `read(name, key, start, numel)`:
+    elements of a flattened weight (`key` None) or of its optimizer state `key`, read with preadv at the
+    offsets torch records when loading onto the meta device (the mmap's pages would count as the rank's
+    memory once touched)."""
+    from mlproject.checkpoint.zero_shards import load_meta, read_into
+
+    checkpoint = name_optimizer_states(torch.load(path, mmap=True, map_location="cpu", weights_only=False), orders)
+    meta = name_optimizer_states(load_meta(path), orders)  # where each tensor lies in the file
+    states = {name: entry for saved in meta["optimizer_states"] for name, entry in saved["state"].items()}
+
+    def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
+        saved = meta["state_dict"][name] if key is None else states[name][key]
+        out = torch.empty(numel, dtype=saved.dtype)
+        read_into(out, path, saved, start)
+        return out
+
+    return checkpoint, read

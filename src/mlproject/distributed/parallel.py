@@ -105,8 +105,13 @@ class ModelParallel(ModelParallelStrategy):
         optimizer state is keyed by position, which Lightning maps to parameters in module order: it is
         re-keyed by name in the single process's order of the optimizers' groups first (param_names,
         checkpoint/convert.py)."""
-        from mlproject.checkpoint.convert import checkpoint_format, deepspeed_checkpoint, name_optimizer_states
-        from mlproject.checkpoint.zero_shards import ZeroShards, load_meta, read_into
+        from mlproject.checkpoint.convert import (
+            checkpoint_format,
+            deepspeed_checkpoint,
+            name_optimizer_states,
+            sliced_file,
+        )
+        from mlproject.checkpoint.zero_shards import ZeroShards
 
         path = Path(self.broadcast(checkpoint_path))
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
@@ -116,18 +121,7 @@ class ModelParallel(ModelParallelStrategy):
         # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
         orders = [self.param_names(optimizer) for optimizer in self.optimizers]
         if path.is_file():
-            checkpoint = name_optimizer_states(
-                torch.load(path, mmap=True, map_location="cpu", weights_only=False), orders
-            )
-            meta = name_optimizer_states(load_meta(path), orders)  # where each tensor lies in the file
-            states = {name: entry for saved in meta["optimizer_states"] for name, entry in saved["state"].items()}
-
-            def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
-                saved = meta["state_dict"][name] if key is None else states[name][key]
-                out = torch.empty(numel, dtype=saved.dtype)
-                read_into(out, path, saved, start)
-                return out
-
+            checkpoint, read = sliced_file(path, orders)
         else:
             shards = ZeroShards(path)
             checkpoint, read = name_optimizer_states(deepspeed_checkpoint(shards, full=False), orders), shards.read

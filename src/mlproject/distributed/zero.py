@@ -67,8 +67,8 @@ class ZeroStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout. Any other is
         # scattered into this rank's partitions, reading only the slices it will hold: from another DeepSpeed
-        # layout, from fsdp/hsdp/tp shards (the stored chunks that overlap them) or from a file (memory-mapped).
-        from mlproject.checkpoint.convert import checkpoint_format
+        # layout, from fsdp/hsdp/tp shards (the stored chunks that overlap them) or from a file (convert.sliced_file).
+        from mlproject.checkpoint.convert import checkpoint_format, sliced_file
         from mlproject.checkpoint.dcp_shards import DcpShards
         from mlproject.checkpoint.zero_shards import ZeroShards
 
@@ -85,14 +85,8 @@ class ZeroStrategy(DeepSpeedStrategy):
                 rest = shards.client
             self._scatter(shards.read, shards.buffers, shards.optimizer)
             return rest  # Lightning restores the rest (loops, callbacks, lr_schedulers) from it
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        checkpoint, read = sliced_file(path, [[self._names()]])  # one group: ZeRO's order is the positions'
         state_dict, optimizer = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states")[0]
-        position = {name: i for i, name in enumerate(self._names())}
-
-        def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
-            full = state_dict[name] if key is None else optimizer["state"][position[name]][key]
-            return full.flatten().narrow(0, start, numel)
-
         self._scatter(read, state_dict, optimizer)
         return checkpoint
 
