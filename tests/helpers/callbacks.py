@@ -221,10 +221,12 @@ class PeakMemory(Callback):
 
 class HostMemory(Callback):
     """Each rank's peak resident host memory (ru_maxrss) when training starts, after Lightning restored any
-    checkpoint and before the first step, saved as `<path>/rank<r>.json` (bytes)."""
+    checkpoint and before the first step, saved as `<path>/rank<r>.json` (bytes); with `checkpoint`, then
+    the state as restored, saved as `<path>/start.ckpt` (every rank takes part), to compare with the
+    checkpoint resumed."""
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str, checkpoint: bool = False) -> None:
+        self.path, self.checkpoint = Path(path), checkpoint
 
     def on_train_start(self, trainer, pl_module) -> None:
         import json
@@ -233,3 +235,5 @@ class HostMemory(Callback):
         self.path.mkdir(parents=True, exist_ok=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(peak))
+        if self.checkpoint:
+            trainer.save_checkpoint(self.path / "start.ckpt")

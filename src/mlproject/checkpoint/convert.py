@@ -58,13 +58,16 @@ def _from_sharded(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def _from_deepspeed(path: Path) -> dict[str, Any]:
-    """Weights and optimizer state from the ZeRO shards (zero_shards.py), the rest from Lightning's client
-    state. The torch optimizer DeepSpeed wrapped has one param group per flat group: its positions run over
-    the parameters of each flat group in order, the order of the writer's param groups."""
-    from mlproject.checkpoint.zero_shards import PREFIX, ZeroShards
+def deepspeed_checkpoint(shards, full: bool = True) -> dict[str, Any]:
+    """A Lightning checkpoint from ZeRO shards (zero_shards.ZeroShards): weights and optimizer state from the
+    shards, the rest from Lightning's client state. The torch optimizer DeepSpeed wrapped has one param group
+    per flat group: its positions run over the parameters of each flat group in order, the order of the
+    writer's param groups. With `full` False the weights and moments are placeholders on the meta device, for
+    the caller to read by slice (`shards.read`); the buffers and step counts are read."""
 
-    shards = ZeroShards(path)
+    def tensor(name: str, key: str | None = None) -> torch.Tensor:
+        return shards.full(name, key) if full else torch.empty(shards.shapes[name], device="meta")
+
     optim = shards.optimizer
     keys = [key for key in next(iter(optim["state"].values()), {}) if key != "step"]
     state, groups, position = {}, [], 0
@@ -74,15 +77,15 @@ def _from_deepspeed(path: Path) -> dict[str, Any]:
             for name in shards.groups[i]:
                 if i in optim["state"]:
                     step = optim["state"][i]["step"].clone()  # one tensor per parameter: AdamW increments each
-                    state[position] = {"step": step, **{key: shards.full(name, key) for key in keys}}
+                    state[position] = {"step": step, **{key: tensor(name, key) for key in keys}}
                 params.append(position)
                 position += 1
         groups.append({**group, "params": params})
 
     checkpoint = {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
-    state_dict = {**shards.buffers, **{name: shards.full(name) for name in shards.shapes}}
-    for alias, name in shards.client["shared_params"].items():  # tied weights are saved once
-        state_dict[alias.removeprefix(PREFIX)] = state_dict[name.removeprefix(PREFIX)]
+    state_dict = {**shards.buffers, **{name: tensor(name) for name in shards.shapes}}
+    for alias, name in shards.aliases.items():  # tied weights are saved once
+        state_dict[alias] = state_dict[name]
     checkpoint["state_dict"] = state_dict
     checkpoint["optimizer_states"] = [{"state": state, "param_groups": groups}]
     return checkpoint
@@ -94,7 +97,11 @@ def load_full(path: str | Path) -> dict[str, Any]:
     fmt = checkpoint_format(path)
     if fmt == "file":
         return torch.load(path, map_location="cpu", weights_only=False)
-    return _from_sharded(path) if fmt == "sharded" else _from_deepspeed(path)
+    if fmt == "sharded":
+        return _from_sharded(path)
+    from mlproject.checkpoint.zero_shards import ZeroShards
+
+    return deepspeed_checkpoint(ZeroShards(path))
 
 
 def averaged(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -155,3 +162,24 @@ def name_optimizer_states(checkpoint: dict[str, Any], orders: list[list[list[str
             {**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]
         ]
     return checkpoint
+
+
+def sliced_file(path: str | Path, orders: list[list[list[str]]]) -> tuple[dict[str, Any], Any]:
+    """A full file (single, ddp) for a rank that reads only slices of it: the checkpoint memory-mapped, its
+    optimizer states keyed by name (name_optimizer_states with `orders`), and `read(name, key, start, numel)`:
+    elements of a flattened weight (`key` None) or of its optimizer state `key`, read with preadv at the
+    offsets torch records when loading onto the meta device (the mmap's pages would count as the rank's
+    memory once touched)."""
+    from mlproject.checkpoint.zero_shards import load_meta, read_into
+
+    checkpoint = name_optimizer_states(torch.load(path, mmap=True, map_location="cpu", weights_only=False), orders)
+    meta = name_optimizer_states(load_meta(path), orders)  # where each tensor lies in the file
+    states = {name: entry for saved in meta["optimizer_states"] for name, entry in saved["state"].items()}
+
+    def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
+        saved = meta["state_dict"][name] if key is None else states[name][key]
+        out = torch.empty(numel, dtype=saved.dtype)
+        read_into(out, path, saved, start)
+        return out
+
+    return checkpoint, read

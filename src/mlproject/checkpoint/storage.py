@@ -79,7 +79,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
 class PortableCheckpointIO(TorchCheckpointIO):
     """Loads sharded (fsdp, tp) and DeepSpeed checkpoint directories as well as single files, so a
-    single-process or ddp run resumes from a checkpoint of any strategy and world size."""
+    single-process or ddp run resumes from a checkpoint of any strategy and world size. It reads the
+    checkpoint in full (convert.load_full): a rank of single or ddp holds the whole state anyway."""
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         from mlproject.checkpoint.convert import load_full

@@ -7,8 +7,9 @@ cuts every parameter into one equal piece per rank (the last one padded) and lay
 over its flat sub-groups, in the order of `param_shapes`. The partition files are loaded onto the meta device,
 which gives each tensor's offset in its file, and slices are read from there (not memory-mapped: the kernel
 maps whole page-cache folios around each read, up to 3 times the slice here). So a rank that resumes on
-another layout reads only the slices it will hold (distributed/zero.py), and a full conversion
-(convert.load_full) holds no more than the result; DeepSpeed's zero_to_fp32 concatenates whole partitions.
+another layout (distributed/zero.py) or under fsdp (distributed/parallel.py) reads only the slices it will hold,
+and a full conversion (convert.load_full) holds no more than the result; DeepSpeed's zero_to_fp32 concatenates
+whole partitions. `read_into` reads any torch.save file that way (a single process's checkpoint under fsdp).
 """
 
 from __future__ import annotations
@@ -33,9 +34,21 @@ class Piece(NamedTuple):
     numel: int
 
 
-def load_meta(file: str) -> dict:
+def load_meta(file: str | Path) -> dict:
     """A torch.save file with its tensors on the meta device, each knowing its offset in the file."""
     return torch.load(file, map_location="meta", weights_only=False)
+
+
+def read_into(out: torch.Tensor, file: str | Path, saved: torch.Tensor, start: int) -> None:
+    """Elements [start, start + out.numel()) of the flattened meta tensor `saved` (load_meta) from `file`."""
+    buffer = out if saved.dtype == out.dtype else torch.empty(out.numel(), dtype=saved.dtype)
+    offset = saved.untyped_storage()._checkpoint_offset + (saved.storage_offset() + start) * saved.element_size()
+    view, done = buffer.numpy().view("uint8"), 0
+    with open(file, "rb") as f:
+        while done < view.size:  # one read returns at most ~2 GiB
+            done += os.preadv(f.fileno(), [view[done:]], offset + done)
+    if buffer is not out:
+        out.copy_(buffer)
 
 
 class ZeroShards:
@@ -57,6 +70,8 @@ class ZeroShards:
         # one dict (name -> shape) per flat group of the torch optimizer, in the writer's order
         self.groups = [{k.removeprefix(PREFIX): v for k, v in g.items()} for g in self.client["param_shapes"]]
         self.shapes = {name: shape for group in self.groups for name, shape in group.items()}
+        shared = self.client["shared_params"].items()  # tied weights, saved once under the name they alias
+        self.aliases = {alias.removeprefix(PREFIX): name.removeprefix(PREFIX) for alias, name in shared}
         self.pieces: dict[str, list[Piece]] = {name: [] for name in self.shapes}
         (self._zero3_pieces if self.zero3 else self._zero12_pieces)()
 
@@ -91,27 +106,17 @@ class ZeroShards:
         saved = self.ranks[rank]
         return saved[self.fp32_key][group] if key is None else saved[self.optim_key]["state"][group][key]
 
-    def _read_into(self, out: torch.Tensor, rank: int, saved: torch.Tensor, start: int) -> None:
-        """Elements [start, start + out.numel()) of the flattened meta tensor `saved` from `rank`'s file."""
-        buffer = out if saved.dtype == out.dtype else torch.empty(out.numel(), dtype=saved.dtype)
-        offset = saved.untyped_storage()._checkpoint_offset + (saved.storage_offset() + start) * saved.element_size()
-        view, done = buffer.numpy().view("uint8"), 0
-        with open(self.files[rank], "rb") as file:
-            while done < view.size:  # one read returns at most ~2 GiB
-                done += os.preadv(file.fileno(), [view[done:]], offset + done)
-        if buffer is not out:
-            out.copy_(buffer)
-
     def read(self, name: str, key: str | None = None, start: int = 0, numel: int | None = None) -> torch.Tensor:
         """Elements [start, start + numel) of the flattened fp32 weights of `name` (`key` None) or of its
         optimizer state `key` (e.g. 'exp_avg'), as a new tensor."""
+        name = self.aliases.get(name, name)
         numel = math.prod(self.shapes[name]) - start if numel is None else numel
         out = torch.empty(numel, dtype=torch.float32)
         for piece in self.pieces[name]:
             lo, hi = max(start, piece.start), min(start + numel, piece.start + piece.numel)
             if lo < hi:
                 flat = self._flat(piece.rank, piece.group, key)
-                self._read_into(out[lo - start : hi - start], piece.rank, flat, piece.offset + lo - piece.start)
+                read_into(out[lo - start : hi - start], self.files[piece.rank], flat, piece.offset + lo - piece.start)
         return out
 
     def full(self, name: str, key: str | None = None) -> torch.Tensor:
@@ -134,6 +139,6 @@ class ZeroShards:
         state = {}
         for group, entry in saved["state"].items():
             step = torch.empty(entry["step"].shape, dtype=entry["step"].dtype)
-            self._read_into(step.view(-1), 0, entry["step"], 0)
+            read_into(step.view(-1), self.files[0], entry["step"], 0)
             state[group] = {**entry, "step": step}
         return {**saved, "state": state}

@@ -98,40 +98,79 @@ class ModelParallel(ModelParallelStrategy):
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
-        """Each rank reads what it will hold, where the format allows. A sharded directory: DCP reshards it
-        (Lightning's load). A full file (single, ddp) is memory-mapped, not read: each rank copies its own shard
-        of every tensor out of it, except that torch's optimizer loader gathers the present optimizer state in
-        full on rank 0 (measured: rank 0 holds the full state once more, the others their share). Its optimizer
-        state is keyed by position, which Lightning maps to parameters in module order: it is re-keyed by name
-        in the single process's order of the optimizers' groups first (param_names, checkpoint/convert.py). A
-        DeepSpeed directory is converted in full on every rank."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
+        """Each rank reads only what it will hold. A sharded directory: DCP reshards it (Lightning's load). A
+        full file (single, ddp) or a DeepSpeed directory: each rank reads the blocks of every parameter and
+        AdamW moment that its shards hold, by element range (`_load_shards`; not memory-mapped, whose pages
+        would count as the rank's memory, nor gathered on rank 0 as torch's full-state-dict loader does). Their
+        optimizer state is keyed by position, which Lightning maps to parameters in module order: it is
+        re-keyed by name in the single process's order of the optimizers' groups first (param_names,
+        checkpoint/convert.py)."""
+        from mlproject.checkpoint.convert import (
+            checkpoint_format,
+            deepspeed_checkpoint,
+            name_optimizer_states,
+            sliced_file,
         )
-
-        from mlproject.checkpoint.convert import checkpoint_format, load_full, name_optimizer_states
+        from mlproject.checkpoint.zero_shards import ZeroShards
 
         path = Path(self.broadcast(checkpoint_path))
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
-        mapped = path.is_file()
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False) if mapped else load_full(path)
         # Positions count every parameter of the writer, so under a pipeline every stage's names are needed
         # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
-        name_optimizer_states(checkpoint, [self.param_names(optimizer) for optimizer in self.optimizers])
-        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        state_dict = checkpoint.pop("state_dict")
-        if getattr(self.lightning_module, "pipeline", None) is not None:
-            # A stage holds only its own modules: the file's other keys are the other stages', not unexpected ones.
-            keys = self.model.state_dict().keys()
-            state_dict = {k: v for k, v in state_dict.items() if k in keys}
-        set_model_state_dict(self.model, state_dict, options=options)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        orders = [self.param_names(optimizer) for optimizer in self.optimizers]
+        if path.is_file():
+            checkpoint, read = sliced_file(path, orders)
+        else:
+            shards = ZeroShards(path)
+            checkpoint, read = name_optimizer_states(deepspeed_checkpoint(shards, full=False), orders), shards.read
+        self._load_shards(read, checkpoint)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
+
+    @torch.no_grad()
+    def _load_shards(self, read, checkpoint: dict) -> None:
+        """Weights and optimizer state into this rank's shards, as sharded state dicts: `read(name, key, start,
+        numel)` gives elements of a flattened parameter (`key` None) or of its optimizer state `key`; the
+        checkpoint's name-keyed optimizer states give the param groups' hyperparameters and the step counts,
+        its state dict the buffers and which parameters it has (strict loading reports the others)."""
+        from functools import partial
+
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        saved = checkpoint.pop("state_dict")
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        # A pipeline stage holds only its own modules: the file's other keys are the other stages', not unexpected.
+        state_dict = {} if getattr(self.lightning_module, "pipeline", None) is not None else dict(saved)
+        for name in get_model_state_dict(self.model, options=options):
+            if name in saved:  # else strict loading reports it; buffers are whole on every rank
+                state_dict[name] = read_like(params[name], partial(read, name, None)) if name in params else saved[name]
+        set_model_state_dict(self.model, state_dict, options=options)
+        del state_dict  # in the parameters now: free it before the moments are read
+        names = {p: name for name, p in self.model.named_parameters()}  # a tied weight's first name, as param_names
+        for optimizer, optim in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            # The blocks become the optimizer's state before torch's loader sees it: finding the state made, it
+            # skips the zero-gradient step that makes it (gradients and moments of its own besides these).
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
+                if (entry := optim["state"].get(names[p])) is not None:  # else strict loading reports it
+                    optimizer.state[p] = {
+                        key: value.clone() if key == "step" else read_like(p, partial(read, names[p], key))
+                        for key, value in entry.items()
+                    }
+            state = {names[p]: entry for p, entry in optimizer.state.items()}
+            # Each group names every stage's parameters (a stage takes its own); how the step runs is this
+            # layout's choice (models/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
+            groups = [
+                {**written, **{k: group[k] for k in ("foreach", "fused") if k in group}}
+                for written, group in zip(optim["param_groups"], optimizer.param_groups, strict=True)
+            ]
+            set_optimizer_state_dict(self.model, optimizer, {"state": state, "param_groups": groups}, options=options)
 
     def param_names(self, optimizer) -> list[list[str]]:
         """The names of each param group's parameters in the single process's order. A pipeline stage's optimizer
@@ -361,6 +400,45 @@ def clip_grad_norm_(parameters, max_norm: float, pipeline_parallel_size: int = 1
     total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach needs one tensor type
     return total
+
+
+def read_like(tensor: torch.Tensor, read) -> torch.Tensor:
+    """A tensor laid out as `tensor` (a DTensor: this rank's shard, with its placements) from `read(start,
+    numel)` over the full tensor's flattened elements."""
+    from torch.distributed.tensor import DTensor
+
+    local = local_block(tensor, read)
+    if not isinstance(tensor, DTensor):
+        return local
+    return DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride())
+
+
+def local_block(tensor: torch.Tensor, read) -> torch.Tensor:
+    """What this rank holds of `tensor` (a DTensor's local shard, all of a plain tensor) as a new tensor, from
+    `read(start, numel)` over the full tensor's flattened elements: one read for a block of whole rows (a dim-0
+    shard), else one per row of the block."""
+    import itertools
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(tensor.shape)
+    local, offset = shape, (0,) * len(shape)
+    if isinstance(tensor, DTensor):
+        local, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+    split = max((d for d in range(len(shape)) if local[d] != shape[d]), default=0)  # whole beyond this dim
+    stride = torch.empty(shape, device="meta").stride()
+    indices = itertools.product(*(range(o, o + n) for o, n in zip(offset[:split], local[:split], strict=True)))
+    starts = [
+        sum(i * s for i, s in zip((*index, *offset[split : split + 1]), stride, strict=False)) for index in indices
+    ]
+    run = math.prod(local[split:])
+    if len(starts) == 1:  # one range: the read is the block (no copy of it held besides)
+        return read(starts[0], run).to(tensor.dtype).view(local)
+    out = torch.empty(math.prod(local), dtype=tensor.dtype)
+    for i, start in enumerate(starts):
+        out[i * run : (i + 1) * run] = read(start, run)
+    return out.view(local)
 
 
 def local_bytes(tensors) -> int:

@@ -66,32 +66,29 @@ class ZeroStrategy(DeepSpeedStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout. Any other is
-        # scattered into this rank's partitions, reading only the slices it will hold from another DeepSpeed
-        # layout or a file (memory-mapped); fsdp shards are read in full (convert.load_full).
-        from mlproject.checkpoint.convert import checkpoint_format, load_full
+        # scattered into this rank's partitions, reading only the slices it will hold: from another DeepSpeed
+        # layout, from fsdp/hsdp/tp shards (the stored chunks that overlap them) or from a file (convert.sliced_file).
+        from mlproject.checkpoint.convert import checkpoint_format, sliced_file
+        from mlproject.checkpoint.dcp_shards import DcpShards
         from mlproject.checkpoint.zero_shards import ZeroShards
 
         path = Path(self.broadcast(checkpoint_path))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # else the engine has no optimizer
         if not fitting or loads_natively(path, self.world_size, self.zero_stage_3):
             return super().load_checkpoint(path, weights_only)
-        if checkpoint_format(path) == "deepspeed":
-            shards = ZeroShards(path)
+        if path.is_dir():
+            if checkpoint_format(path) == "deepspeed":
+                shards = ZeroShards(path)
+                rest = {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
+            else:
+                shards = DcpShards(path)
+                rest = shards.client
             self._scatter(shards.read, shards.buffers, shards.optimizer)
-            return {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
-        if path.is_file():
-            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
-        else:
-            checkpoint = load_full(path)
+            return rest  # Lightning restores the rest (loops, callbacks, lr_schedulers) from it
+        checkpoint, read = sliced_file(path, [[self._names()]])  # one group: ZeRO's order is the positions'
         state_dict, optimizer = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states")[0]
-        position = {name: i for i, name in enumerate(self._names())}
-
-        def read(name: str, key: str | None, start: int, numel: int) -> torch.Tensor:
-            full = state_dict[name] if key is None else optimizer["state"][position[name]][key]
-            return full.flatten().narrow(0, start, numel)
-
         self._scatter(read, state_dict, optimizer)
-        return checkpoint  # Lightning restores the rest (loops, callbacks, lr_schedulers) from it
+        return checkpoint
 
     def _names(self) -> list[str]:
         """The parameters' names in ZeRO's order, the torch optimizer's positions over its param groups."""
