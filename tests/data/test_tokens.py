@@ -25,7 +25,7 @@ from tests.helpers.processes import FAST, clean_env, free_port, read_metrics, ru
 
 TINY_GPT = ["model=gpt", "model.net.n_layer=1", "model.net.n_head=2", "model.net.n_embd=32"]
 FEW_STEPS = ["trainer.max_epochs=1", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2", "test=false"]
-PEAK_RSS = 1 << 30  # bytes a rank may reach at peak while training on the >= 1 GiB corpus (measured: 608 MiB)
+PEAK_RSS = 1 << 30  # bytes a rank may reach at peak while training on the >= 1 GiB corpus (measured: 538 MiB)
 
 
 def write_corpus(dir: Path, size: int, files: int = 1) -> Path:

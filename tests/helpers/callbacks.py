@@ -205,22 +205,27 @@ class RecordWeights(Callback):
             torch.save(self.weights, self.path)
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes, as the kernel measured it (VmHWM). Not ru_maxrss, which a
+    process keeps across exec from the one that forked it: a rank started by pytest would report pytest's own
+    peak (measured: 1.2 GiB late in the suite)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
 class PeakMemory(Callback):
-    """Writes this process's peak resident memory (ru_maxrss, in bytes) to `<dir>/rank<r>.rss` when training
+    """Writes this process's peak resident memory (peak_rss, in bytes) to `<dir>/rank<r>.rss` when training
     ends: measured by the kernel, whatever the process allocated or mapped on the way."""
 
     def __init__(self, dir: str):
         self.dir = Path(dir)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        (self.dir / f"rank{trainer.global_rank}.rss").write_text(str(peak))
+        (self.dir / f"rank{trainer.global_rank}.rss").write_text(str(peak_rss()))
 
 
 class HostMemory(Callback):
-    """Each rank's peak resident host memory (ru_maxrss) when training starts, after Lightning restored any
+    """Each rank's peak resident host memory (peak_rss) when training starts, after Lightning restored any
     checkpoint and before the first step, saved as `<path>/rank<r>.json` (bytes); with `checkpoint`, then
     the state as restored, saved as `<path>/start.ckpt` (every rank takes part), to compare with the
     checkpoint resumed."""
@@ -230,10 +235,8 @@ class HostMemory(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         import json
-        import resource
 
         self.path.mkdir(parents=True, exist_ok=True)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(peak))
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(peak_rss()))
         if self.checkpoint:
             trainer.save_checkpoint(self.path / "start.ckpt")
