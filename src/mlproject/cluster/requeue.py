@@ -71,7 +71,7 @@ class Signals(L.Callback):
         self.received = {signal.SIGTERM: False}
         self._last_step = self._checked_step = -1
         self._skipped_seen = 0
-        self._first_nonfinite = self._skipped = self._step_nonfinite = None  # on the device, from on_train_start
+        self._first_nonfinite = self._skipped = self._losses = None  # on the device, from on_train_start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before Lightning registers its handlers (Trainer._run): its SIGTERM handler broadcasts from rank 0,
@@ -91,28 +91,31 @@ class Signals(L.Callback):
         device = trainer.strategy.root_device
         self._first_nonfinite = torch.tensor(NEVER, device=device)
         self._skipped = torch.tensor(0, device=device)
-        self._step_nonfinite = torch.tensor(False, device=device)
+        # the loss of each step since the last check, at (step % every_n_steps): one in-place add a micro-batch,
+        # where a per-step isfinite and flag update took ~70 us of CPU a step (and as many GPU launches)
+        self._losses = torch.zeros(self.every_n_steps, device=device)
         self._last_step = self._checked_step = trainer.global_step  # a resumed run starts at its checkpoint
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._step_nonfinite |= ~torch.isfinite(loss.detach())  # any micro-batch of this optimizer step
+        # a sum over the step's micro-batches: non-finite if any of them is
+        self._losses[trainer.global_step % self.every_n_steps].add_(loss.detach())
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        bad = self._step_nonfinite.clone()
-        if self.skip_nonfinite:
-            # Gradients are what the step applies, and under ddp they hold every rank's loss (a NaN spreads in
-            # the all-reduce), so every rank skips alike. Zeroed, not skipped: deciding to skip on the host
-            # would cost a sync per step; AdamW then applies only its momentum and weight decay.
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor: this rank's shard
-            if local:
-                bad |= ~torch.isfinite(torch.stack(torch._foreach_norm(local)).sum())
-            for g in local:
-                g.masked_fill_(bad, 0)
-            self._skipped += bad
-        step = trainer.global_step  # the 0-based index of this optimizer step, as the loggers count
-        self._first_nonfinite = torch.where(bad, torch.clamp(self._first_nonfinite, max=step), self._first_nonfinite)
-        self._step_nonfinite.zero_()
+        if not self.skip_nonfinite:
+            return
+        # Gradients are what the step applies, and under ddp they hold every rank's loss (a NaN spreads in the
+        # all-reduce), so every rank skips alike. Zeroed, not skipped: deciding to skip on the host would cost
+        # a sync per step; AdamW then applies only its momentum and weight decay.
+        loss = self._losses[trainer.global_step % self.every_n_steps]
+        bad = ~torch.isfinite(loss)
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor: this rank's shard
+        if local:
+            bad |= ~torch.isfinite(torch.stack(torch._foreach_norm(local)).sum())
+        for g in local:
+            g.masked_fill_(bad, 0)
+        self._skipped += bad
+        loss.masked_fill_(bad, float("nan"))  # a step skipped for its gradients counts as non-finite too
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         step = trainer.global_step  # the same on every rank; unchanged between accumulated micro-batches
@@ -129,6 +132,7 @@ class Signals(L.Callback):
 
     def agree(self, trainer: L.Trainer) -> dict:
         """What any rank received or saw, agreed by all: one all-reduce (MAX) and one read of its result."""
+        self._note_first_nonfinite()
         self._checked_step = trainer.global_step
         flags = torch.tensor(list(self.received.values()), dtype=torch.int64, device=self._skipped.device)
         state = torch.cat([flags, torch.stack([NEVER - self._first_nonfinite, self._skipped])])
@@ -136,6 +140,15 @@ class Signals(L.Callback):
             dist.all_reduce(state, op=dist.ReduceOp.MAX)  # not strategy.reduce: it adds a barrier before
         *flags, first, skipped = state.tolist()
         return {**dict(zip(self.received, flags, strict=True)), "first_nonfinite": NEVER - first, "skipped": skipped}
+
+    def _note_first_nonfinite(self) -> None:
+        """Fold the first non-finite step since the last check into _first_nonfinite, and clear the window. Checks
+        are at most every_n_steps steps apart, so the steps since the last one have distinct slots."""
+        n, last = self.every_n_steps, self._checked_step
+        steps = last + (torch.arange(n, device=self._losses.device) - last) % n  # the step each slot holds
+        first = torch.where(torch.isfinite(self._losses), NEVER, steps).min()
+        self._first_nonfinite = torch.minimum(self._first_nonfinite, first)
+        self._losses.zero_()
 
     def check_loss(self, trainer: L.Trainer, agreed: dict) -> None:
         first, skipped = agreed["first_nonfinite"], agreed["skipped"]
