@@ -71,6 +71,24 @@ def test_datasets_that_draw_nothing_are_read_without_seeding():
     assert Indexed(Noisy()).seeded and Indexed(torch.utils.data.Subset(Noisy(), [1])).seeded
 
 
+def test_a_batch_of_tensors_is_read_in_one_gather_as_sample_by_sample():
+    """Indexed reads a TensorDataset, or Subsets of one, a batch at a time (__getitems__, which the DataLoader
+    calls): the same samples as __getitem__, padding slots and epoch keys included; other datasets go on
+    sample by sample."""
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    tensors = TensorDataset(torch.arange(20.0).view(10, 2), torch.arange(10) * 10)
+    data = Indexed(Subset(Subset(tensors, [9, 7, 5, 3, 1, 0]), [4, 2, 0, 5]))
+    keys = [3, (1, 2), PAD, 0]
+    got = data.__getitems__(keys)
+    want = [data[k] for k in keys]
+    assert [(x.tolist(), y.item(), i) for x, y, i in got] == [(x.tolist(), y.item(), i) for x, y, i in want]
+    assert [y.item() for _, y, _ in got] == [0, 50, 10, 10]  # PAD repeats the first sample
+    x, y, idx = next(iter(DataLoader(data, batch_size=4)))
+    assert y.tolist() == [10, 50, 90, 0] and idx.tolist() == [0, 1, 2, 3] and x.shape == (4, 2)
+    assert Indexed(Noisy()).tensors is None and len(Indexed(Noisy(), seed=1).__getitems__([0, (1, 1)])) == 2
+
+
 def test_per_device_batch_size():
     assert per_device_batch_size(64, 2, 2) == 16
     with pytest.raises(ConfigError, match="multiple of 6"):
@@ -136,6 +154,114 @@ def test_rich_bar_reads_the_loss_when_it_draws_only(tmp_path):
     assert all(isinstance(m["train/loss"], float) for m in train_draws)
     assert "train/loss" not in trainer.progress_bar_metrics
     assert "train/loss" in out.getvalue()
+
+
+def test_step_values_are_recorded_only_where_the_loggers_get_them(tmp_path):
+    """LeanModule records a per-step value in training_step only at logging steps and an epoch's last batch:
+    the loggers get the same rows, callback_metrics ends the same, and Lightning's log runs a third as often."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from mlproject.utils.hot_path import LeanModule
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("train/loss", loss)
+            self.log("train/epoch_mean", loss, on_epoch=True, on_step=False)  # every call counts
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Lean(LeanModule, Tiny):
+        pass
+
+    def fit(module, name):
+        calls = []
+        original = L.LightningModule.log
+        L.LightningModule.log = lambda self, *a, **k: calls.append(a[0]) or original(self, *a, **k)
+        try:
+            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(14, 2)), batch_size=2)
+            logger = CSVLogger(tmp_path, name=name)
+            kw = {"enable_checkpointing": False, "enable_model_summary": False, "enable_progress_bar": False}
+            trainer = L.Trainer(max_epochs=2, log_every_n_steps=3, logger=logger, accelerator="cpu", **kw)
+            trainer.fit(module, data)
+        finally:
+            L.LightningModule.log = original
+        with open(f"{logger.log_dir}/metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        return rows, {k: v.item() for k, v in trainer.callback_metrics.items()}, calls
+
+    plain, lean = fit(Tiny(), "plain"), fit(Lean(), "lean")
+    assert lean[0] == plain[0] and len(plain[0]) == 14 // 3 + 2  # steps 2, 5, 8, 11 and the two epoch ends
+    assert lean[1] == plain[1]
+    # 14 steps log the epoch mean; the loss at steps 2, 5, 8, 11 and the epoch ends 6 and 13
+    assert plain[2].count("train/loss") == 14 and lean[2].count("train/loss") == 6
+    assert lean[2].count("train/epoch_mean") == 14
+
+
+def test_callback_hooks_reach_the_callbacks_that_define_them_in_lightnings_order(tmp_path):
+    """Without a profiler only the callbacks that define a hook, on their class or instance, are called: the same
+    calls, in the same order and with the same arguments, as Lightning's dispatch to every callback makes."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.trainer import call
+
+    from mlproject.utils.hot_path import NoProfiler, call_only_overridden_callback_hooks
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", self.layer(batch[0]).pow(2).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Recorder(Callback):
+        def __init__(self, name, seen):
+            self.name, self.seen = name, seen
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append((self.name, "batch_end", batch_idx, pl_module._current_fx_name))
+
+        def on_validation_end(self, trainer, pl_module):
+            self.seen.append((self.name, "validation_end", trainer.global_step))
+
+    def fit(dispatch):
+        seen = []
+        instance = Recorder("instance", seen)
+        instance.on_train_epoch_start = lambda trainer, _: seen.append(("instance", "epoch", trainer.current_epoch))
+        before, call._call_callback_hooks = call._call_callback_hooks, dispatch
+        try:
+            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 2)), batch_size=2)
+            kw = {"enable_checkpointing": False, "enable_model_summary": False, "enable_progress_bar": False}
+            kw |= {"accelerator": "cpu", "num_sanity_val_steps": 0}
+            callbacks = [Recorder("a", seen), Callback(), instance]
+            trainer = L.Trainer(max_epochs=2, logger=False, callbacks=callbacks, **kw)
+            trainer.profiler = NoProfiler()
+            trainer.fit(Tiny(), data, data)
+        finally:
+            call._call_callback_hooks = before
+        return seen
+
+    call_only_overridden_callback_hooks()
+    lean = call._call_callback_hooks
+    assert fit(lean) == fit(lean.lightnings)
+    assert len(fit(lean)) == 2 * (3 * 2 + 2 + 1)  # per epoch: 3 batches x 2 recorders, 2 validation ends, 1 start
 
 
 def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
