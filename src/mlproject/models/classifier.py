@@ -23,8 +23,9 @@ class Classifier(LeanModule, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
-        # no input checks per training step: they call torch.unique, a host-device sync on a GPU
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes, validate_args=False)
+        # the share of samples right, as val/acc; no input checks per training step: they call torch.unique, a
+        # host-device sync on a GPU
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False)
         self.val_metrics = ClassificationMetrics(num_classes)
         self.test_metrics = ClassificationMetrics(num_classes)
 
