@@ -80,11 +80,12 @@ def overridden_hooks(cls: type) -> frozenset[str]:
 
 
 def call_only_overridden_callback_hooks() -> None:
-    """Lightning calls each hook (~12 a training step) on every callback, overridden or not, inside a profiler
+    """Lightning calls each hook (6 a training step) on every callback, overridden or not, inside a profiler
     context named by the callback's `state_key` (ModelCheckpoint's formats a repr of its settings each time):
-    ~0.15 ms of CPU a step with the default callbacks. Without a profiler (NoProfiler), only the callbacks that
-    define a hook, on their class or their instance, are called, in the same order; the others would do
-    nothing. With a profiler, or for the monitoring-callback subsets, Lightning's own dispatch runs."""
+    ~9 us of CPU a hook with the default callbacks, against ~2.5 us here, where without a profiler
+    (NoProfiler) only the callbacks that define a hook, on their class or their instance, are called, in the
+    same order: the others would do nothing. With a profiler, or for the monitoring-callback subsets,
+    Lightning's own dispatch runs."""
     original = call._call_callback_hooks
     if hasattr(original, "lightnings"):
         return
