@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def apply(namespace: str, manifest: str, name: str, run_dir: str, dry_run: bool) -> int:
+def apply(ns: str, manifest: str, name: str, run_dir: str, dry_run: bool) -> int:
+    """Print the manifest (--dry-run), or give it to `kubectl apply -f -` and say how to follow the job."""
     if dry_run:
         print(manifest, end="")
         return 0
@@ -81,7 +82,6 @@ def apply(namespace: str, manifest: str, name: str, run_dir: str, dry_run: bool)
     if proc.returncode != 0:
         print(f"error: kubectl apply refused the TrainJob: {proc.stderr.strip()}", file=sys.stderr)
         return 1
-    ns = namespace
     print(
         f"applied TrainJob {name} in namespace {ns} with `kubectl apply -f -`:\n{proc.stdout.rstrip()}\n"
         f"  watch: kubectl get trainjob {name} -n {ns} -w\n"

@@ -112,6 +112,12 @@ def test_contradicting_layout_is_refused(capsys, no_sbatch, override, message):
     assert message in err and err.count("\n") == 1, err
 
 
+def test_submit_without_kubectl_says_so(capsys, no_sbatch, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl here (nor anywhere on this machine's tests)
+    assert submit.main(["--no-plan", "cluster=kubernetes", "trainer=gpu"]) == 1
+    assert "error: kubectl not found; install it, or write the manifest with --dry-run" in capsys.readouterr().err
+
+
 def test_train_with_cluster_kubernetes_outside_torchrun_is_refused(compose_cfg, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     cfg = compose_cfg("cluster=kubernetes", "cluster.gpus_per_node=0", "cluster.procs_per_node=2", "trainer=cpu")

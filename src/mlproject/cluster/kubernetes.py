@@ -203,7 +203,7 @@ def manifest(cfg: DictConfig, topology: Topology, overrides: list[str], name: st
                 "env": env,
                 "numNodes": c.nodes,
                 "numProcPerNode": c.procs_per_node,
-                "resourcesPerNode": {"requests": resources, "limits": resources},
+                "resourcesPerNode": {"requests": resources, "limits": dict(resources)},  # two dicts: no YAML anchor
             },
         },
     }
