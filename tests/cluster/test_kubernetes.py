@@ -5,6 +5,7 @@ environment the controller gives them, SIGTERM to both and their restart, and th
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -45,10 +46,12 @@ LAYOUTS = {  # nodes x GPUs per node
 }
 
 
+@functools.cache  # parsing the CRDs' YAML (1.5 MB) takes seconds
 def crd(plural: str) -> dict:
     text = gzip.decompress((CRDS / f"trainer.kubeflow.org_{plural}.yaml.gz").read_bytes())
+    yaml_loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it
     assert hashlib.sha256(text).hexdigest() == SHA256[plural], "the fixture is not the released CRD"
-    (version,) = [v for v in yaml.safe_load(text)["spec"]["versions"] if v["name"] == "v1alpha1"]
+    (version,) = [v for v in yaml.load(text, Loader=yaml_loader)["spec"]["versions"] if v["name"] == "v1alpha1"]
     return version["schema"]["openAPIV3Schema"]
 
 
