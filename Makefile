@@ -81,10 +81,10 @@ prepare: install ## prepare a dataset on disk ahead of training: make prepare AR
 plan: install ## memory per rank of each layout, and the one to use: make plan ARGS="experiment=gpt_large trainer.num_nodes=8"
 	$(PY) -m mlproject.plan $(OVERRIDES)
 
-submit: install ## submit training to SLURM (plans first; ARGS="--no-plan ..." skips it): make submit ARGS="cluster.nodes=2 trainer=gpu"
+submit: install ## submit training to SLURM, or Kubernetes with cluster=kubernetes (plans first; ARGS="--no-plan ..." skips it): make submit ARGS="cluster.nodes=2 trainer=gpu"
 	$(PY) -m mlproject.submit $(OVERRIDES)
 
-submit-dryrun: install ## print the sbatch script `make submit` would submit, without submitting
+submit-dryrun: install ## print the sbatch script (or, with cluster=kubernetes, the TrainJob manifest) `make submit` would submit
 	$(PY) -m mlproject.submit --dry-run $(OVERRIDES)
 
 .PHONY: rename

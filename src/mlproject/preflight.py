@@ -90,6 +90,7 @@ def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
     from hydra.core.hydra_config import HydraConfig
 
+    from mlproject.cluster import kubernetes
     from mlproject.cluster.slurm import check_in_job
     from mlproject.distributed.launch import check_deepspeed, check_launch
     from mlproject.distributed.strategies import check_model_parallel
@@ -98,6 +99,7 @@ def preflight(cfg: DictConfig) -> Topology:
     check_ranges(cfg)  # before the topology divides by any of them
     topology = Topology.of(cfg)
     check_in_job(cfg)
+    kubernetes.check_in_job(cfg)
     check_accelerator(cfg)
     check_lr_scaling(cfg)
     check_vocabulary(cfg)

@@ -1,14 +1,17 @@
-"""Submit training to SLURM: `python -m mlproject.submit [--dry-run] [--no-plan] [overrides]`.
+"""Submit training to SLURM or Kubernetes: `python -m mlproject.submit [--dry-run] [--no-plan] [overrides]`.
 
 Composes the same config `python -m mlproject.train` would (with cluster=slurm unless another cluster
 is given), refuses settings the job could not run and, unless `--no-plan`, a layout that would not fit the GPUs'
-memory (mlproject.plan), writes the sbatch script and submits it. The job runs `python -m mlproject.train`
-with the same overrides in every srun task.
+memory (mlproject.plan), then writes the job and submits it: under cluster=slurm the sbatch script (`sbatch`),
+under cluster=kubernetes the Kubeflow TrainJob manifest (`kubectl apply -f -`). The job runs
+`python -m mlproject.train` with the same overrides in every process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from mlproject.cli import ERRORS, one_line
+from mlproject.cluster import kubernetes
 from mlproject.cluster.slurm import check_before_submit, sbatch_script
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.resolvers import register_resolvers
@@ -32,9 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides)
-            topology = check_before_submit(cfg)
+            on_kubernetes = cfg.cluster.get("scheduler") == "kubernetes"
+            topology = kubernetes.check_before_submit(cfg, overrides) if on_kubernetes else check_before_submit(cfg)
             if check_memory and cfg.cluster.get("gpus_per_node"):  # the plan is of GPU memory
-                check_fits(overrides)
+                # what the planner's imports print (DeepSpeed's accelerator warning) is not the script or manifest
+                with contextlib.redirect_stdout(sys.stderr):
+                    check_fits(overrides)
+        if on_kubernetes:
+            name = kubernetes.job_name(cfg)
+            manifest = kubernetes.manifest(cfg, topology, overrides, name)
+            run_dir = f"{kubernetes.log_dir(cfg, overrides)}/{cfg.task_name}/runs/{name}"
+            return apply(cfg.cluster.namespace, manifest, name, run_dir, dry_run)
         slurm_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
         script = sbatch_script(cfg, topology, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
     except ERRORS as exc:  # one line and exit 2, as in train
@@ -53,6 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     job = proc.stdout.strip().split(";")[0]  # "<job id>[;<cluster>]"
     run_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "runs" / job
     print(f"submitted SLURM job {job}\n  log: {slurm_dir / (job + '.out')}\n  run directory: {run_dir}")
+    return 0
+
+
+def apply(ns: str, manifest: str, name: str, run_dir: str, dry_run: bool) -> int:
+    """Print the manifest (--dry-run), or give it to `kubectl apply -f -` and say how to follow the job."""
+    if dry_run:
+        print(manifest, end="")
+        return 0
+    if not shutil.which("kubectl"):
+        print(
+            "error: kubectl not found; install it, or write the manifest with --dry-run and apply it", file=sys.stderr
+        )
+        return 1
+    proc = subprocess.run(["kubectl", "apply", "-f", "-"], input=manifest, text=True, capture_output=True)
+    if proc.returncode != 0:
+        print(f"error: kubectl apply refused the TrainJob: {proc.stderr.strip()}", file=sys.stderr)
+        return 1
+    print(
+        f"applied TrainJob {name} in namespace {ns} with `kubectl apply -f -`:\n{proc.stdout.rstrip()}\n"
+        f"  watch: kubectl get trainjob {name} -n {ns} -w\n"
+        f"  logs:  kubectl logs -n {ns} -f -l {kubernetes.JOBSET_NAME}={name}\n"
+        f"  run directory: {run_dir} (on the shared volume)"
+    )
     return 0
 
 

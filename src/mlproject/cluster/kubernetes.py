@@ -1,0 +1,215 @@
+"""The Kubeflow Trainer (v2) manifest of a training job, written from the composed config, and the checks before
+submission.
+
+Two documents: a TrainingRuntime (the torch-distributed ClusterTrainingRuntime's shape, plus what a TrainJob cannot
+set in Trainer v2.3: the JobSet's failure policy, the pods' grace period, the shared volume) and the TrainJob that
+uses it. The controller's torch plugin sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
+PET_MASTER_PORT in the `node` container; torchrun reads the PET_* variables as its flags, and here rendezvous with
+c10d at the master's address, which `--max-restarts` needs (distributed/launch.py). The run id is the TrainJob's
+name, read by the downward API from the label JobSet puts on every pod, so all pods and every restart of the job
+share one run directory on the volume, and `ckpt_path=auto` resumes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import datetime
+
+import yaml
+from omegaconf import DictConfig
+
+from mlproject.core.errors import ConfigError
+from mlproject.core.ranges import check_ranges
+from mlproject.core.topology import Topology
+
+API = "trainer.kubeflow.org/v1alpha1"
+NODE = "node"  # the runtime's replicated job and container: where the torch plugin injects the PET_* variables
+ANCESTOR = {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}  # marks that job as the trainer's
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"  # a label of every pod: the JobSet's name, which is the TrainJob's
+MARGIN_SECONDS = 30  # beyond cluster.save_seconds: torchrun forwards SIGTERM, the processes exit
+NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # the TrainJob CRD's rule (RFC 1035 label)
+MAX_NAME = 40  # pod hostnames <name>-node-<i>-0 and the names Kubernetes derives from them stay within 63
+WHOLE = {  # key: least value
+    "nodes": 1,
+    "gpus_per_node": 0,
+    "procs_per_node": 1,
+    "cpus_per_node": 1,
+    "mem_gb": 1,
+    "save_seconds": 1,
+    "max_restarts": 0,
+    "worker_restarts": 0,
+}
+
+
+def check_allocation(cfg: DictConfig) -> None:
+    """With cluster=kubernetes, the Trainer must ask for exactly what the pods are given."""
+    c = cfg.get("cluster") or {}
+    if c.get("scheduler") != "kubernetes":
+        return
+    for key, least in WHOLE.items():
+        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < least:
+            raise ConfigError(f"cluster.{key}={c[key]!r} should be a whole number >= {least}")
+    t = cfg.trainer
+    if t.num_nodes != c.nodes:
+        raise ConfigError(
+            f"trainer.num_nodes={t.num_nodes} but cluster.nodes={c.nodes}; set cluster.nodes only "
+            "(trainer.num_nodes follows it)"
+        )
+    if t.devices != c.procs_per_node:
+        raise ConfigError(
+            f"trainer.devices={t.devices} but cluster.procs_per_node={c.procs_per_node}; set cluster.gpus_per_node "
+            "(or cluster.procs_per_node on CPU nodes) only (trainer.devices follows it)"
+        )
+    if c.gpus_per_node and c.procs_per_node != c.gpus_per_node:
+        raise ConfigError(
+            f"cluster.procs_per_node={c.procs_per_node} but cluster.gpus_per_node={c.gpus_per_node}; "
+            "torchrun starts one process per GPU: leave procs_per_node at its default"
+        )
+    if c.gpus_per_node and t.accelerator == "cpu":
+        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} with trainer=cpu; use trainer=gpu")
+    if not c.gpus_per_node and t.accelerator in ("gpu", "cuda"):
+        raise ConfigError("trainer.accelerator=gpu but cluster.gpus_per_node=0; set cluster.gpus_per_node")
+
+
+def check_in_job(cfg: DictConfig) -> None:
+    """Inside a pod (preflight): the processes are torchrun's, else the other nodes' ranks never come."""
+    if (cfg.get("cluster") or {}).get("scheduler") == "kubernetes" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise ConfigError(
+            "cluster=kubernetes runs under torchrun in the pods of a TrainJob; submit it with "
+            "`python -m mlproject.submit cluster=kubernetes ...` (or drop cluster=kubernetes to run here)"
+        )
+    check_allocation(cfg)
+
+
+def job_name(cfg: DictConfig) -> str:
+    """cluster.job_name, else <task_name>-<date>-<time>: one new run per submission."""
+    name = cfg.cluster.job_name or f"{cfg.task_name}-{datetime.now():%Y%m%d-%H%M%S}".lower().replace("_", "-")
+    if not NAME.match(name) or len(name) > MAX_NAME:
+        raise ConfigError(
+            f"cluster.job_name={name!r} is not a Kubernetes name: lowercase letters, digits and '-', starting "
+            f"with a letter, at most {MAX_NAME} characters; set cluster.job_name"
+        )
+    return name
+
+
+def log_dir(cfg: DictConfig, overrides: list[str]) -> str:
+    """Where the pods write: <mount_path>/logs, or the paths.log_dir given, which must be on the volume."""
+    c = cfg.cluster
+    given = next((o.split("=", 1)[1] for o in overrides if o.startswith("paths.log_dir=")), None)
+    mount = c.mount_path.rstrip("/")
+    if given is not None and not given.startswith(mount + "/"):
+        raise ConfigError(
+            f"paths.log_dir={given} is not on the pods' shared volume; drop it (the pods write to {mount}/logs) "
+            "or put it under cluster.mount_path"
+        )
+    if c.nodes > 1 and not c.volume_claim:
+        raise ConfigError(
+            f"cluster.nodes={c.nodes} needs one run directory that every pod sees; set cluster.volume_claim to a "
+            "ReadWriteMany PersistentVolumeClaim (docs/kubernetes.md)"
+        )
+    return given or f"{mount}/logs"
+
+
+def check_before_submit(cfg: DictConfig, overrides: list[str]) -> Topology:
+    """What preflight would refuse in the pods, minus what only the nodes can tell (their GPUs); the job's name
+    and where it writes."""
+    check_ranges(cfg)
+    check_allocation(cfg)
+    job_name(cfg)
+    log_dir(cfg, overrides)
+    return Topology.of(cfg).validate()
+
+
+def manifest(cfg: DictConfig, topology: Topology, overrides: list[str], name: str) -> str:
+    """The TrainingRuntime and the TrainJob, as one YAML stream for `kubectl apply -f -`."""
+    c, meta = cfg.cluster, {"name": name, "namespace": cfg.cluster.namespace}
+    grace = c.save_seconds + MARGIN_SECONDS
+    logs = log_dir(cfg, overrides)
+    train_overrides = [*(o for o in overrides if not o.startswith("paths.log_dir=")), f"paths.log_dir={logs}"]
+    if not any(o.startswith("ckpt_path=") for o in overrides):
+        train_overrides.append("ckpt_path=auto")
+    command = [
+        "python",
+        "-m",
+        "torch.distributed.run",  # torchrun; PET_NNODES and PET_NPROC_PER_NODE are its --nnodes, --nproc-per-node
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",  # Kubernetes expands $(VAR) from the env
+        "--rdzv-id=$(MLPROJECT_RUN_ID)",
+        f"--max-restarts={c.worker_restarts}",
+        f"--shutdown-timeout={c.save_seconds}",  # after SIGTERM, before torchrun kills its processes
+        "-m",
+        "mlproject.train",
+        *train_overrides,
+    ]
+    env = [
+        {"name": "MLPROJECT_RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_NAME}']"}}},
+        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},  # a fresh store per torchrun restart
+        {"name": "PYTHONUNBUFFERED", "value": "1"},  # `kubectl logs` as it happens
+    ]
+    resources = {"cpu": str(c.cpus_per_node), "memory": f"{c.mem_gb}Gi"}
+    if c.gpus_per_node:
+        resources["nvidia.com/gpu"] = str(c.gpus_per_node)
+    shared = {"persistentVolumeClaim": {"claimName": c.volume_claim}} if c.volume_claim else {"emptyDir": {}}
+    pod = {
+        "restartPolicy": "Never",  # a failed pod fails its job, and the failure policy restarts all of them
+        "terminationGracePeriodSeconds": grace,
+        "containers": [
+            {
+                "name": NODE,
+                "image": c.image,
+                "volumeMounts": [
+                    {"name": "shared", "mountPath": c.mount_path},
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "shared", **shared},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # dataloader workers' shared memory (64 MiB by default)
+        ],
+    }
+    runtime = {
+        "apiVersion": API,
+        "kind": "TrainingRuntime",
+        "metadata": {**meta, "labels": {"trainer.kubeflow.org/framework": "torch"}},
+        "spec": {
+            "mlPolicy": {"numNodes": c.nodes, "torch": {}},
+            "template": {
+                "spec": {
+                    "failurePolicy": {"maxRestarts": c.max_restarts},
+                    "replicatedJobs": [
+                        {
+                            "name": NODE,
+                            "template": {
+                                "metadata": {"labels": ANCESTOR},
+                                "spec": {"backoffLimit": 0, "template": {"spec": pod}},
+                            },
+                        }
+                    ],
+                }
+            },
+        },
+    }
+    job = {
+        "apiVersion": API,
+        "kind": "TrainJob",
+        "metadata": {**meta, **({"labels": {"kueue.x-k8s.io/queue-name": c.queue}} if c.queue else {})},
+        "spec": {
+            "runtimeRef": {"name": name, "kind": "TrainingRuntime", "apiGroup": "trainer.kubeflow.org"},
+            "trainer": {
+                "image": c.image,
+                "command": command,
+                "env": env,
+                "numNodes": c.nodes,
+                "numProcPerNode": c.procs_per_node,
+                "resourcesPerNode": {"requests": resources, "limits": dict(resources)},  # two dicts: no YAML anchor
+            },
+        },
+    }
+    t = cfg.trainer
+    head = (
+        f"# trainer.num_nodes={t.num_nodes} trainer.devices={t.devices}: {topology.world_size} processes; "
+        f"run directory {logs}/{cfg.task_name}/runs/{name}\n"
+    )
+    return head + yaml.safe_dump_all([runtime, job], sort_keys=False, width=120)
