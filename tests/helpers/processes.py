@@ -149,9 +149,11 @@ def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
 
 
 def make_command(make_line: str) -> list[str]:
-    """The arguments after `-m mlproject.<module>` of the command `make -n <make_line>` would run."""
+    """The arguments after `-m mlproject.<module>` of the command `make -n <make_line>` would run. Under
+    `make test ARGS=...` the outer make's variables are in MAKEFLAGS: they are dropped, not inherited."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     out = subprocess.run(
-        ["make", "-n", *shlex.split(make_line)], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+        ["make", "-n", *shlex.split(make_line)], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout
     (line,) = [ln for ln in out.splitlines() if " -m mlproject." in ln]
     return shlex.split(line)[3:]
