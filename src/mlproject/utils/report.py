@@ -70,8 +70,9 @@ def log_outcome(cfg: DictConfig, trainer, metrics: dict[str, float], best_checkp
             logger.log_hyperparams(best)
 
 
-def write_metrics(metrics: dict, run_dir: str | Path, prefix: str = "test/") -> dict[str, float]:
-    """Write `metrics.json` (name -> float) in the run directory; rank 0 writes, atomically."""
+def write_metrics(metrics: dict, run_dir: str | Path, prefix: tuple[str, ...] = ("val/", "test/")) -> dict[str, float]:
+    """Write `metrics.json` (name -> float) in the run directory: the final validation's and the test's metrics;
+    rank 0 writes, atomically."""
     values = {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(prefix)}
     if rank() == 0:
         path = Path(run_dir) / "metrics.json"
