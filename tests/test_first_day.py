@@ -4,9 +4,14 @@ configs, and a metrics.json that holds the final validation too."""
 from __future__ import annotations
 
 import csv
+import warnings
 
+import tomllib
 import torch
+from omegaconf import OmegaConf
 
+from mlproject.core.constants import PROJECT_ROOT
+from mlproject.utils.report import apply_extras
 from tests.helpers.processes import FAST, read_metrics, run, run_dirs
 
 
@@ -31,3 +36,21 @@ def test_debug_overfit_runs(tmp_path):
     (run_dir,) = run_dirs(tmp_path, "debug")
     assert "effective batch 64 (64 per device x 1 data-parallel rank(s) x 1 accumulation)" in proc.stdout
     assert read_metrics(run_dir)["test/samples"] == 360
+
+
+def test_runs_show_warnings_except_the_named_known_ones():
+    """A deprecation of an API the template uses must be seen: only understood third-party warnings are filtered."""
+    extras = OmegaConf.load(PROJECT_ROOT / "configs" / "extras" / "default.yaml")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_extras(OmegaConf.create({"extras": {**extras, "print_config": False}}))
+        warnings.warn("some_api is deprecated", DeprecationWarning, stacklevel=1)
+        warnings.warn("'set_vital' is deprecated, please do not call", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["some_api is deprecated"]
+
+
+def test_pytest_filters_only_named_warnings():
+    filters = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    for entry in filters.get("filterwarnings", []):
+        action, message = entry.split(":")[:2]
+        assert action != "ignore" or message, f"{entry} ignores a whole category"
