@@ -22,6 +22,8 @@ KNOWN_WARNINGS = [
     # Lightning 2.6's own pytree helper (lightning/pytorch/utilities/_pytree.py) builds torch's LeafSpec, deprecated in
     # torch 2.13; fixed upstream by a Lightning release, not by us
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # logger=mlflow: MLflow's SQLite store configures a SQLAlchemy loader strategy that SQLAlchemy 2.1 deprecates
+    (r"The ``noload`` loader strategy is deprecated", DeprecationWarning),
 ]
 
 
