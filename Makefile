@@ -33,7 +33,7 @@ UNORDERED = $(foreach v,$(CLI_NAMES),$(if $(filter command line,$(origin $(v))),
 OVERRIDES = $(or $(strip $(IN_ORDER)),$(UNORDERED)) $(ARGS)
 # `make train -m ...` would train once with -m lost: stop with the way to sweep instead.
 DASH_M    = $(shell $(CLI_ARGV) [ "$$a" = -m ] && echo yes; done < /proc/$$PPID/cmdline)
-no_dash_m = @$(if $(DASH_M),echo "error: make takes -m as its own flag; sweep with make sweep ARGS=\"...\" (or make $@ ARGS=\"-m ...\")" >&2; exit 2,:)
+no_dash_m = @$(if $(DASH_M),echo "error: make takes -m as its own flag: sweep with make sweep <overrides> (or make $@ ARGS=\"-m <overrides>\")" >&2; exit 2,:)
 
 .PHONY: help install lock train sweep eval export test test-fast test-gpu lint format clean
 

@@ -51,7 +51,7 @@ def test_make_train_dash_m_stops_with_the_sweep_target():
     """make takes `-m` as its own (ignored) flag: `make train -m` must not train once with the sweep lost."""
     make = ["make", "-n", "train", "-m", "seed=1,2"]
     out = subprocess.run(make, cwd=PROJECT_ROOT, env=make_env(), capture_output=True, text=True)
-    assert "error: make takes -m as its own flag; sweep with make sweep" in out.stdout
+    assert "error: make takes -m as its own flag: sweep with make sweep <overrides>" in out.stdout
 
 
 def test_make_help_documents_sweep():
