@@ -15,16 +15,27 @@ TORCH_INDEX ?=
 ARGS   ?=
 CKPT   ?=
 OUT    ?= model.pt
-# `make train trainer.max_epochs=3` works too: command-line variables that are not ours are Hydra overrides,
-# passed on in their order (MAKEOVERRIDES lists them last first), each quoted for the shell. MAKEOVERRIDES
-# itself escapes spaces its own way, which split `ARGS="a=1 b=2 c=3"` wrongly; the shell splits ARGS.
+# `make train trainer.max_epochs=3 '~logger'` works too: every form Hydra accepts (key=value, +key=value,
+# ++key=value, group=[], ~group) passes on bare, in the order given, each quoted for the shell. Assignments reach
+# make as variables (those that are not ours are overrides), `~group` as goals (the do-nothing rule `~%` below).
+# On Linux the order comes from make's own arguments in /proc; elsewhere assignments come first (MAKEOVERRIDES
+# lists them last first), then deletions. ARGS is for what make would read as its own: options such as
+# `--multirun`, or `-m` (make takes -m as its own flag and ignores it). The shell splits ARGS.
 OURS      = VENV LOCK TORCH TORCH_INDEX ARGS CKPT OUT NAME EXAMPLES
 quote     = '$(subst ','\'',$(1))'
 reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
-OVERRIDES = $(foreach v,$(CLI_NAMES),$(if $(filter command line,$(origin $(v))),$(call quote,$(v)=$(value $(v))))) $(ARGS)
+CLI_ARGV  = [ -r /proc/$$PPID/cmdline ] && while IFS= read -r -d '' a; do
+IN_ORDER  = $(shell $(CLI_ARGV) case "$$a" in ('~'*) ;; (*=*) case ' $(CLI_NAMES) ' in (*" $${a%%=*} "*) ;; (*) continue;; esac;; \
+              (*) continue;; esac; q=\'; printf "'%s' " "$${a//$$q/$$q\\$$q$$q}"; done < /proc/$$PPID/cmdline)
+UNORDERED = $(foreach v,$(CLI_NAMES),$(if $(filter command line,$(origin $(v))),$(call quote,$(v)=$(value $(v))))) \
+            $(foreach g,$(filter ~%,$(MAKECMDGOALS)),$(call quote,$(g)))
+OVERRIDES = $(or $(strip $(IN_ORDER)),$(UNORDERED)) $(ARGS)
+# `make train -m ...` would train once with -m lost: stop with the way to sweep instead.
+DASH_M    = $(shell $(CLI_ARGV) [ "$$a" = -m ] && echo yes; done < /proc/$$PPID/cmdline)
+no_dash_m = @$(if $(DASH_M),echo "error: make takes -m as its own flag: sweep with make sweep <overrides> (or make $@ ARGS=\"-m <overrides>\")" >&2; exit 2,:)
 
-.PHONY: help install lock train eval export test test-fast test-gpu lint format clean
+.PHONY: help install lock train sweep eval export test test-fast test-gpu lint format clean
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -33,20 +44,32 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes -r $(LOCK)
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) scripts/check_torch_family.py  # torchvision/torchaudio of another torch build: one line, not a traceback
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the locked dependencies and the package (idempotent)
 
 # uv reads no pip configuration: pip's find-links (a folder of local wheels, as this template's CI keeps
 # torch in) are passed on, so the lock pins the files pip installs. The lock is for this Python version.
+# torchvision and torchaudio are built for one torch build each: they come from torch's index (uv takes a
+# package from the first index that has it, and TORCH_INDEX comes first), or from the find-links folder.
 lock: ## pin every dependency with its hashes into requirements.lock (LOCK, TORCH, TORCH_INDEX: see above)
+	@! grep -Eq '^ *"(torchvision|torchaudio)' pyproject.toml || test -n "$(TORCH_INDEX)$(PIP_FIND_LINKS)" || { echo \
+	  "error: torchvision/torchaudio must come from torch's index: make lock TORCH_INDEX=https://download.pytorch.org/whl/cpu (or .../cu128 with TORCH=torch==...+cu128)" >&2; exit 2; }
 	test -x $(VENV)/bin/uv || $(MAKE) install LOCK=requirements.lock  # uv comes with the dev extra
 	echo '$(TORCH)' | $(VENV)/bin/uv pip compile pyproject.toml - --extra dev --generate-hashes --quiet \
 	  --python $(PY) --custom-compile-command "make lock" -o $(LOCK) \
 	  $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --emit-index-url)
 
-train: install ## train the default experiment; overrides: make train ARGS="trainer.max_epochs=3" (or bare)
+train: install ## train the default experiment; overrides bare or in ARGS: make train trainer.max_epochs=3 '~logger'
+	$(no_dash_m)
 	$(PY) -m mlproject.train $(OVERRIDES)
+
+sweep: install ## a Hydra multirun, one run per combination: make sweep model.optimizer.lr=0.005,0.01 [hparams_search=...]
+	$(PY) -m mlproject.train --multirun $(OVERRIDES)
+
+# `~group` goals are Hydra deletions for the target before them (OVERRIDES passes them on), not files to make.
+~%: ; @:
 
 eval: install ## evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS=...]
 	@test -n $(call quote,$(value CKPT)) || { echo "error: give the checkpoint, e.g. make eval CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }

@@ -218,7 +218,7 @@ def run_plain(world: int, epochs: int, steps: int, overrides: list[str], out: st
 
 def run_template(overrides: list[str], epochs: int, steps: int, out: str, log_dir: str) -> float:
     cmd = [sys.executable, "-m", "mlproject.train", f"trainer.max_epochs={epochs}"]
-    cmd += [f"+trainer.limit_train_batches={steps}", f"paths.log_dir={log_dir}", "test=false"]
+    cmd += [f"trainer.limit_train_batches={steps}", f"paths.log_dir={log_dir}", "test=false"]
     cmd += ["extras.print_config=false", *overrides]
     cmd += ["+callbacks.bench_timer._target_=bench.step_timer", f"+callbacks.bench_timer.out={out}"]
     # prepended, not replacing: the GPU machine finds the wheels it lacks (hydra, ...) on PYTHONPATH

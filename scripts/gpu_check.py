@@ -88,7 +88,7 @@ def no_sync_overrides(steps: int) -> list[str]:
 def run_one(name: str, experiment: str, overrides: list[str], steps: int, tmp: str) -> dict:
     out = f"{tmp}/{name}.json"
     cmd = [sys.executable, "-m", "mlproject.train", f"experiment={experiment}", "trainer.precision=bf16-mixed"]
-    cmd += [f"+trainer.max_steps={steps}", "+trainer.limit_val_batches=0", "test=false", "callbacks=none", "~logger"]
+    cmd += [f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "test=false", "callbacks=none", "~logger"]
     cmd += ["extras.print_config=false", *overrides]
     cmd += [f"paths.log_dir={tmp}/logs", "+callbacks.timer._target_=bench.step_timer", f"+callbacks.timer.out={out}"]
     # prepended, not replacing: the GPU machine finds the wheels it lacks (hydra, ...) on PYTHONPATH

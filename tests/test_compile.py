@@ -27,8 +27,8 @@ TINY = [
     "model.optimizer.lr=0.01",
     "model.scheduler.warmup_steps=2",
     "trainer.max_epochs=1",
-    "+trainer.max_steps=6",
-    "+trainer.limit_val_batches=0",
+    "trainer.max_steps=6",
+    "trainer.limit_val_batches=0",
 ]
 RUNS = {
     "eager": ["strategy=single"],

@@ -82,7 +82,7 @@ if (DIGITS := CONFIG_DIR / "experiment/digits.yaml").exists():
 OTHER_DATA = [d for d in ("text", "digits") if d != DATA and (CONFIG_DIR / f"data/{d}.yaml").exists()]
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
     CASES["data does not fit the model"] = (
-        [f"data={OTHER_DATA[0]}", "+trainer.limit_train_batches=1"],
+        [f"data={OTHER_DATA[0]}", "trainer.limit_train_batches=1"],
         f"data={OTHER_DATA[0]} (configs/data/{OTHER_DATA[0]}.yaml) does not fit model={MODEL} "
         f"(configs/model/{MODEL}.yaml) at the first batch:",
     )

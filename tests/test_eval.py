@@ -12,7 +12,7 @@ from tests.helpers.processes import read_metrics, run_dirs, run_in_process
 EXPERIMENTS = [
     p.stem for p in sorted(CONFIG_DIR.glob("experiment/*.yaml")) if "override /trainer: gpu" not in p.read_text()
 ]
-ONE_BATCH = [f"+trainer.limit_{split}_batches=1" for split in ("train", "val")]
+ONE_BATCH = [f"trainer.limit_{split}_batches=1" for split in ("train", "val")]
 
 
 @pytest.fixture(params=EXPERIMENTS)
@@ -24,7 +24,7 @@ def checkpoint(request, compose_cfg, tmp_path):
 
 
 def eval_samples(checkpoint, log_dir, *overrides: str) -> float:
-    args = [f"ckpt_path={checkpoint}", "trainer=cpu", "extras.print_config=false", "+trainer.limit_test_batches=2"]
+    args = [f"ckpt_path={checkpoint}", "trainer=cpu", "extras.print_config=false", "trainer.limit_test_batches=2"]
     code, stderr = run_in_process("eval", *args, *overrides, log_dir=log_dir)
     assert code in (0, None), stderr
     (run_dir,) = run_dirs(log_dir, "eval")

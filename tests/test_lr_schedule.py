@@ -39,7 +39,7 @@ def test_the_run_prints_the_scaled_lr_and_the_schedule_counts_optimizer_steps(co
         "logger=csv",
         "test=false",
         "trainer.max_epochs=2",
-        "+trainer.limit_val_batches=0",
+        "trainer.limit_val_batches=0",
         f"trainer.accumulate_grad_batches={accumulate}",
         "data.batch_size=64",
         "model.optimizer.lr_scaling=sqrt",

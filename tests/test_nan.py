@@ -50,7 +50,7 @@ class PoisonWeights(Callback):
 
 @pytest.mark.slow
 def test_nan_loss_shows_in_logs_and_metrics_json(tmp_path):
-    overrides = ["+trainer.limit_train_batches=2", "+trainer.limit_val_batches=2", "+trainer.limit_test_batches=2"]
+    overrides = ["trainer.limit_train_batches=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
     run(
         "train",
         *FAST,
@@ -85,11 +85,11 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank_and_keeps_the_last_good_che
         *FAST,
         "strategy=ddp",
         "trainer.devices=2",
-        "+trainer.max_steps=12",
-        "+trainer.limit_val_batches=2",
+        "trainer.max_steps=12",
+        "trainer.limit_val_batches=2",
         "test=false",
         "cluster.signal_check_every_n_steps=4",
-        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
         POISON,
         "+callbacks.poison.steps=[5]",
         "+callbacks.poison.rank=1",
@@ -111,13 +111,13 @@ def test_skipped_nonfinite_steps_leave_finite_weights_up_to_the_limit(tmp_path):
     proc = run(
         "train",
         *FAST,
-        "+trainer.max_steps=12",
-        "+trainer.limit_val_batches=2",
+        "trainer.max_steps=12",
+        "trainer.limit_val_batches=2",
         "test=false",
         "divergence.skip=true",
         "divergence.max_skipped=1",
         "cluster.signal_check_every_n_steps=1",
-        "callbacks.model_checkpoint.every_n_train_steps=2",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
         POISON,
         "+callbacks.poison.steps=[2,4]",
         log_dir=tmp_path,

@@ -134,7 +134,7 @@ def test_copier_project_passes_its_tests_and_trains(copier_project, tmp_path):
     env = clean_env(PYTHONPATH=str(root / "src"), COOL_NET_RUN_ID="first")
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py"]
     sh(*pytest_cmd, "-k", "digits or comment or eval", cwd=root, env=env, timeout=300)
-    limits = [f"+trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]
+    limits = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]
     overrides = [
         "trainer=cpu",
         "trainer.max_epochs=1",
@@ -319,3 +319,17 @@ def test_every_subset_passes_its_fast_tests(subset_project):
         env=env,
         timeout=1200,
     )
+
+
+def test_a_gpt_only_project_configs_never_mention_digits(tmp_path):
+    """Config comments kept by a project of the GPT example alone name no file or option it no longer has."""
+    shutil.copytree(PROJECT_ROOT / "configs", tmp_path / "configs")
+    rename_project.drop_examples(tmp_path, OLD, ["gpt"])
+    rename_project.retell(tmp_path, ["gpt"])
+    mentions = [
+        f"{path.relative_to(tmp_path)}:{n}"
+        for path in sorted((tmp_path / "configs").rglob("*.yaml"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"digits|data=images", line)
+    ]
+    assert not mentions

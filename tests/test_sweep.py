@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.processes import run
 
-SHORT = [f"+trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=optuna implies -m
+SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=optuna implies -m
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ def test_peak_flops():
 def test_perf_metrics_are_logged(tmp_path):
     gpt = ["experiment=gpt", "model.net.n_layer=1", "model.net.n_embd=32", "data.block_size=32", "data.batch_size=8"]
     limits = [
-        "+trainer.limit_train_batches=8",
-        "+trainer.limit_val_batches=1",
+        "trainer.limit_train_batches=8",
+        "trainer.limit_val_batches=1",
         "test=false",
         "trainer.log_every_n_steps=2",
     ]

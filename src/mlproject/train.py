@@ -21,7 +21,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
 
     from mlproject.build import build_trainer, first_batch_fits, instantiate_all, instantiate_at
-    from mlproject.checkpoint.resume import resolve_ckpt_path
+    from mlproject.checkpoint.resume import checkpoint_to_test, resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
     from mlproject.checkpoint.storage import PortableCheckpointIO
     from mlproject.utils.loggers import finish_loggers
@@ -54,16 +54,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
             ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = dict(trainer.callback_metrics)
-    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    best, why = checkpoint_to_test(trainer)
     if cfg.test:
-        trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
+        log.info(f"testing {best or 'the model'}: {why}")
+        trainer.test(model, datamodule=datamodule, ckpt_path=best)
         metrics.update(trainer.callback_metrics)
 
     # 4. report: metrics.json in the run directory, a table, and the outcome to every logger
     write_metrics(metrics, cfg.paths.output_dir)
     final = {k: float(v) for k, v in sorted(metrics.items())}
     print_summary({k: v for k, v in final.items() if k.startswith(("val/", "test/"))}, cfg.paths.output_dir)
-    log_outcome(cfg, trainer, final, best)
+    log_outcome(cfg, trainer, final, best or "")
     finish_loggers(trainer.loggers)
     return final
 

@@ -27,7 +27,7 @@ EXACT = [
     "trainer.sync_batchnorm=true",
     "model.net.dropout=0.0",
     "trainer.max_epochs=2",
-    "+trainer.limit_train_batches=6",
+    "trainer.limit_train_batches=6",
 ]
 CLOSE = 1e-5  # fp32 after 12 AdamW steps; measured ~2e-7 (a resume with fresh Adam moments: 0.1)
 
@@ -46,7 +46,7 @@ def test_deepspeed_checkpoint_resumes_anywhere_and_back_and_exports(tmp_path):
     def single_then_zero3():
         # ZeRO-2 on 2 processes -> one plain process (converted on load), a checkpoint every 3 steps, killed at
         # step 9 -> ZeRO-3 on 2 processes from that file, mid-epoch (scattered into its partitions on load)
-        one = [*strategy("single"), *EXACT, "callbacks.model_checkpoint.every_n_train_steps=3"]
+        one = [*strategy("single"), *EXACT, "callbacks.last_checkpoint.every_n_train_steps=3"]
         proc = train(tmp_path, "single", *one, f"ckpt_path={epoch1}", *kill_at(9), check=False)
         assert proc.returncode != 0
         single = run_dir(tmp_path, "single") / "checkpoints" / "last.ckpt"

@@ -12,7 +12,7 @@ from mlproject.core.constants import PROJECT_ROOT
 from tests.checkpoint.helpers import BASE, assert_bitwise, kill_at, run_dir, strategy, train, weights
 from tests.helpers.processes import clean_env, run
 
-EVERY_7_STEPS = ["callbacks.model_checkpoint.every_n_train_steps=7"]
+EVERY_7_STEPS = ["callbacks.last_checkpoint.every_n_train_steps=7"]
 
 
 @pytest.mark.slow

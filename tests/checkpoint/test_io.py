@@ -56,7 +56,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path):
     """A real run, SIGKILLed while the checkpoint of step 10 is half written: last.ckpt still holds step 5,
     and `ckpt_path=auto` resumes from it and leaves no partial file behind."""
     every5 = ["trainer=cpu", "extras.print_config=false", "run_id=killed", "test=false", "trainer.max_epochs=1"]
-    every5.append("callbacks.model_checkpoint.every_n_train_steps=5")
+    every5.append("callbacks.last_checkpoint.every_n_train_steps=5")
     kill = ["+callbacks.kill._target_=tests.helpers.callbacks.KillMidSave", "+callbacks.kill.step=10"]
     proc = run("train", *every5, *kill, log_dir=tmp_path, check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]

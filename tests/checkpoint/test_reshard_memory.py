@@ -44,7 +44,7 @@ GPT = [
     "model.net.n_embd=512",
     "data.block_size=32",
     "data.batch_size=8",
-    "+trainer.limit_val_batches=0",
+    "trainer.limit_val_batches=0",
     "trainer.max_epochs=2",  # a checkpoint saved at the end of fit counts its epoch as finished
 ]
 HSDP = ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2"]  # writes 2 shards (2 replicas)
@@ -64,14 +64,14 @@ def train(log_dir, *overrides: str) -> None:
 
 def saved(log_dir, *overrides: str):
     steps = ["+callbacks.steps._target_=tests.helpers.callbacks.RecordSteps", "+callbacks.steps.checkpoint=true"]
-    train(log_dir, *overrides, "+trainer.max_steps=1", *steps)
+    train(log_dir, *overrides, "trainer.max_steps=1", *steps)
     (run_dir,) = run_dirs(log_dir)
     return run_dir / "last.ckpt"
 
 
 def peak_memory(tmp_path, name: str, *overrides: str, layout: list[str] = FSDP) -> list[int]:
     """Peak host memory per rank of `layout` on 4 when training starts (a run of 2 steps under tmp_path/name)."""
-    memory = ["+callbacks.memory._target_=tests.helpers.callbacks.HostMemory", "+trainer.max_steps=2"]
+    memory = ["+callbacks.memory._target_=tests.helpers.callbacks.HostMemory", "trainer.max_steps=2"]
     train(tmp_path / name, *layout, *memory, f"+callbacks.memory.path={tmp_path / f'peaks_{name}'}", *overrides)
     return peaks(tmp_path / f"peaks_{name}")
 

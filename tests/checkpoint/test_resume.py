@@ -21,7 +21,7 @@ from tests.checkpoint.helpers import (
 )
 from tests.helpers.processes import together
 
-EVERY_7_STEPS = ["callbacks.model_checkpoint.every_n_train_steps=7"]
+EVERY_7_STEPS = ["callbacks.last_checkpoint.every_n_train_steps=7"]
 TIMEOUT = 30  # strategy.timeout (seconds) in the fault test: survivors must exit within TIMEOUT + 60 s
 
 

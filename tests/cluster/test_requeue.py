@@ -12,8 +12,8 @@ from tests.helpers.processes import together
 
 # 2 epochs of 4 batches, 2 batches per optimizer step: 4 steps. The signal is checked after every step.
 SETUP = [
-    "+trainer.limit_train_batches=4",
-    "+trainer.limit_val_batches=2",
+    "trainer.limit_train_batches=4",
+    "trainer.limit_val_batches=2",
     "trainer.max_epochs=2",
     "trainer.accumulate_grad_batches=2",
     "cluster.signal_check_every_n_steps=1",

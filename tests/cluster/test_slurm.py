@@ -36,9 +36,9 @@ BASE = [
     "strategy=ddp",
     "model.net.dropout=0",
     "trainer.max_epochs=12",
-    "+trainer.limit_train_batches=1",
-    "+trainer.limit_val_batches=1",
-    "+trainer.limit_test_batches=1",
+    "trainer.limit_train_batches=1",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
     "callbacks.model_checkpoint.monitor=null",
 ]
 CPU_NODE = ["cluster.gpus_per_node=0", "cluster.cpus_per_task=1", "cluster.time_min=10"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mlproject.core.errors import ConfigError
 from mlproject.data.images import ImagesDataModule
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, train, weights
 from tests.data.resume import assert_close_to, assert_resumed_in_place, record
@@ -38,6 +39,13 @@ def test_images_decode_to_the_configured_size_and_augment_only_training(tmp_path
     torch.manual_seed(0)
     crops = {dm.train_set[0][0].sum().item() for _ in range(10)}
     assert len(crops) > 1  # training samples are
+
+
+def test_own_folder_with_the_digits_source_names_data_source_null(tmp_path):
+    """`data=images data.dir=<my folder>` keeps the default source=digits: the fix the user needs is source=null."""
+    dm = ImagesDataModule(dir=str(write_folder(tmp_path / "img")), source="digits")
+    with pytest.raises(ConfigError, match=r"holds images of your own: add data\.source=null to train on them"):
+        dm.prepare_data()
 
 
 @pytest.mark.slow
@@ -72,7 +80,7 @@ def test_workers_resume_mid_epoch_bitwise_with_augmentation(tmp_path):
         "data=images",
         f"data.dir={tmp_path}/png",
         "data.crop_padding=1",
-        "callbacks.model_checkpoint.every_n_train_steps=7",
+        "callbacks.last_checkpoint.every_n_train_steps=7",
     ]
     logs = tmp_path / "logs"
 
@@ -109,7 +117,7 @@ def test_resume_from_1_process_on_2_reads_the_next_global_batch(tmp_path):
         "model.net.dropout=0.0",
         "model.scheduler.warmup_steps=2",
         "trainer.sync_batchnorm=true",
-        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
     ]
     logs = {name: tmp_path / name for name in ("straight", "killed")}
 

@@ -24,7 +24,7 @@ from tests.data.resume import assert_close_to, assert_resumed_in_place, record
 from tests.helpers.processes import FAST, clean_env, free_port, read_metrics, run, run_dirs, together
 
 TINY_GPT = ["model=gpt", "model.net.n_layer=1", "model.net.n_head=2", "model.net.n_embd=32"]
-FEW_STEPS = ["trainer.max_epochs=1", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2", "test=false"]
+FEW_STEPS = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "test=false"]
 PEAK_RSS = 1 << 30  # bytes a rank may reach at peak while training on the >= 1 GiB corpus (measured: 538 MiB)
 
 
@@ -214,7 +214,7 @@ def small_runs(tmp_path_factory) -> dict[str, Path]:
         "data.batch_size=16",
         "data.val_fraction=0.1",
         "data.test_fraction=0.2",
-        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
     ]
     out = {name: tmp / name for name in ("straight", "eval", "killed", "seen", "before", "after")}
 

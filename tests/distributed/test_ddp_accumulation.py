@@ -22,8 +22,8 @@ def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
         "strategy=ddp",
         "trainer.devices=2",
         "trainer.accumulate_grad_batches=4",
-        "+trainer.limit_train_batches=16",  # 16 micro-batches: 4 optimizer steps
-        "+trainer.limit_val_batches=0",
+        "trainer.limit_train_batches=16",  # 16 micro-batches: 4 optimizer steps
+        "trainer.limit_val_batches=0",
         "test=false",
         "callbacks=none",
         "+callbacks.count._target_=tests.helpers.callbacks.CountGradientAllReduces",

@@ -38,24 +38,24 @@ GPT = [
     "model.optimizer.lr=0.01",
     "model.scheduler.warmup_steps=2",
     "trainer.max_epochs=1",
-    f"+trainer.max_steps={STEPS}",
+    f"trainer.max_steps={STEPS}",
 ]
 EMA = ["callbacks=ema", f"callbacks.ema.decay={DECAY}"]
 RECORD = ["+callbacks.weights._target_=tests.helpers.callbacks.RecordWeights"]
 # Validation half-way (optimizer step 3) and at the end; the single runs accumulate 2 micro-batches per step
-SINGLE = ["strategy=single", "trainer.accumulate_grad_batches=2", "+trainer.val_check_interval=6"]
+SINGLE = ["strategy=single", "trainer.accumulate_grad_batches=2", "trainer.val_check_interval=6"]
 RUNS = {
     "plain": ["callbacks=none", *SINGLE],  # no EMA: the training the EMA runs must not change
     "single": [*EMA, *SINGLE],
-    "ddp": [*EMA, "strategy=ddp", "trainer.devices=2", "+trainer.val_check_interval=3"],
-    "fsdp": [*EMA, "strategy=fsdp", "trainer.devices=2", "+trainer.val_check_interval=3"],
+    "ddp": [*EMA, "strategy=ddp", "trainer.devices=2", "trainer.val_check_interval=3"],
+    "fsdp": [*EMA, "strategy=fsdp", "trainer.devices=2", "trainer.val_check_interval=3"],
     # each rank averages its column/row halves; embeddings and norms whole on both
     "tp": [
         *EMA,
         "strategy=tp",
         "trainer.devices=2",
         "strategy.tensor_parallel_size=2",
-        "+trainer.val_check_interval=3",
+        "trainer.val_check_interval=3",
     ],
 }
 
@@ -181,15 +181,15 @@ def test_fsdp_resume_with_ema_is_bitwise(tmp_path):
     """Killed at step 5 (checkpoints every 2 steps, validation every 2), resumed with ckpt_path=auto: the
     final checkpoint, EMA included, equals a straight run's bit for bit."""
     setup = [
-        *(o for o in GPT if not o.startswith("+trainer.max_steps")),
-        "+trainer.max_steps=8",
+        *(o for o in GPT if not o.startswith("trainer.max_steps")),
+        "trainer.max_steps=8",
         "callbacks=[model_checkpoint,ema]",
         f"callbacks.ema.decay={DECAY}",
-        "callbacks.model_checkpoint.every_n_train_steps=2",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
         "strategy=fsdp",
         "trainer.devices=2",
-        "+trainer.val_check_interval=2",
-        "+trainer.limit_val_batches=1",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
         "test=false",
         "run_id=run",
     ]

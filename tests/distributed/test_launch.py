@@ -48,8 +48,8 @@ TINY = [  # two optimizer steps of a small model, nothing else
     "~logger",
     "test=false",
     "extras.print_config=false",
-    "+trainer.max_steps=2",
-    "+trainer.limit_val_batches=0",
+    "trainer.max_steps=2",
+    "trainer.limit_val_batches=0",
     "+trainer.enable_progress_bar=false",
     "model.net.channels=8",
 ]

@@ -31,8 +31,8 @@ TINY = [
     "model.optimizer.lr=0.01",
     "model.scheduler.warmup_steps=2",
     "trainer.max_epochs=1",
-    "+trainer.max_steps=6",
-    "+trainer.limit_val_batches=0",
+    "trainer.max_steps=6",
+    "trainer.limit_val_batches=0",
 ]
 STRATEGIES = {
     "single": ["strategy=single"],

@@ -17,8 +17,8 @@ from tests.distributed.test_model_parallel import LOSS_RTOL, TINY, start_runs
 from tests.helpers.gpt import RARE, assert_trains_like
 
 # validation once, after the 6th (last) step: val/* through the pipeline against the single process's
-PIPE = [o for o in TINY if not o.startswith(("model.net.n_layer=", "+trainer.limit_val_batches="))]
-PIPE += ["model.net.n_layer=4", "+trainer.val_check_interval=6"]
+PIPE = [o for o in TINY if not o.startswith(("model.net.n_layer=", "trainer.limit_val_batches="))]
+PIPE += ["model.net.n_layer=4", "trainer.val_check_interval=6"]
 # Twice test_model_parallel's: a pipeline sums each gradient over micro-batches, a longer reordering of the
 # additions (measured here: <= 5e-6 everywhere but a rare element or two, see RARE).
 PARAM_ATOL = 1e-5

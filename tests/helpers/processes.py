@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -148,10 +149,23 @@ def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
 
 
+def make_env() -> dict[str, str]:
+    """This environment for a nested make. Under `make test ARGS=...` the outer make's command-line variables
+    are in MAKEFLAGS (which a nested make takes as its own command line) and exported one by one: both go."""
+    assigned = re.split(r"(?<!\\) ", os.environ.get("MAKEFLAGS", "").partition(" -- ")[2])
+    drop = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", *(word.split("=", 1)[0] for word in assigned if "=" in word)}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def make_command(make_line: str) -> list[str]:
     """The arguments after `-m mlproject.<module>` of the command `make -n <make_line>` would run."""
     out = subprocess.run(
-        ["make", "-n", *shlex.split(make_line)], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+        ["make", "-n", *shlex.split(make_line)],
+        cwd=PROJECT_ROOT,
+        env=make_env(),
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     (line,) = [ln for ln in out.splitlines() if " -m mlproject." in ln]
     return shlex.split(line)[3:]

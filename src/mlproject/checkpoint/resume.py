@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +20,19 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path) -> str | None:
     if ckpt_path is not None:
         checkpoint_format(ckpt_path)
     return ckpt_path
+
+
+def checkpoint_to_test(trainer) -> tuple[str | None, str]:
+    """The checkpoint `trainer.test` loads after fit, and why: the best by a metric when one was ranked (right
+    after a validation), else the last one (no validation ran, or nothing ranks), else the weights in memory."""
+    callbacks = trainer.checkpoint_callbacks
+    for c in callbacks:
+        if c.monitor and c.best_model_path and c.best_model_score is not None and math.isfinite(c.best_model_score):
+            return c.best_model_path, f"the best by {c.monitor} ({float(c.best_model_score):.4g} at its validation)"
+    for c in callbacks:
+        if c.last_model_path:
+            return c.last_model_path, "the last checkpoint: none was ranked by a metric (no validation ran)"
+    return None, "the weights in memory: no checkpoint was saved"
 
 
 def continue_run_of_checkpoint(args: list[str]) -> None:

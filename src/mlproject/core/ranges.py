@@ -70,7 +70,7 @@ RANGES: dict[str, Range] = {
     "strategy.tensor_parallel_size": COUNT,
     "cluster.signal_check_every_n_steps": COUNT,
     "cluster.gpu_memory_gb": POSITIVE,
-    "callbacks.model_checkpoint.every_n_train_steps": COUNT,
+    "callbacks.last_checkpoint.every_n_train_steps": COUNT,
     "callbacks.model_checkpoint.save_top_k": Range(-1),
     "callbacks.ema.decay": FRACTION,
 }

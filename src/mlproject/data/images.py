@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
 from mlproject.data.base import DataModule
-from mlproject.data.preparation import prepare
+from mlproject.data.preparation import prepare, read_manifest
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 SOURCES = (None, "digits")
@@ -98,6 +98,11 @@ class ImagesDataModule(DataModule):
 
     def prepare_data(self) -> None:
         if self.hparams.source == "digits":
+            if read_manifest(self.dir) is None and self.dir.is_dir() and any(self.dir.iterdir()):
+                raise ConfigError(
+                    f"data.dir={self.dir} holds images of your own: add data.source=null to train on them "
+                    "(data.source=digits writes the digits example into an empty or new directory)"
+                )
             prepare(self.dir, {"source": "digits", "format": 1}, write_digits)
 
     def files(self) -> list[tuple[str, int]]:

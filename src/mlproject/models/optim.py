@@ -66,7 +66,8 @@ def scaled_lr(lr: float, batch_size: int, lr_scaling: str = "none", base_batch_s
 def effective_batch(trainer) -> tuple[int, str]:
     """Samples per optimizer step, and how: micro-batch x data-parallel ranks x accumulation (ask after
     trainer.estimated_stepping_batches, which loads the train dataloader)."""
-    micro = trainer.train_dataloader.batch_size
+    loader = trainer.train_dataloader
+    micro = loader.batch_size or loader.batch_sampler.batch_size  # overfit_batches rebuilds it with a batch sampler
     replicas = (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)  # data-parallel: not TP ranks
     accumulate = trainer.accumulate_grad_batches
     return micro * replicas * accumulate, f"{micro} per device x {replicas} data-parallel rank(s) x {accumulate}"

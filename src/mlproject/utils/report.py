@@ -14,10 +14,29 @@ from mlproject.utils.rank_logging import drop_lightning_console_handler, get_log
 log = get_logger(__name__)
 
 
+# Third-party warnings that are understood and not the user's to act on: (message regex, category, why). Every
+# other warning shows. pyproject.toml's pytest filterwarnings names the same ones.
+KNOWN_WARNINGS = [
+    # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch 2.13; nothing to change on our side
+    (r"'set_vital' is deprecated", UserWarning),
+    # Lightning 2.6's own pytree helper (lightning/pytorch/utilities/_pytree.py) builds torch's LeafSpec, deprecated in
+    # torch 2.13; fixed upstream by a Lightning release, not by us
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # logger=mlflow: MLflow's SQLite store configures a SQLAlchemy loader strategy that SQLAlchemy 2.1 deprecates
+    (r"The ``noload`` loader strategy is deprecated", DeprecationWarning),
+]
+
+
+def filter_known_warnings() -> None:
+    for message, category in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def apply_extras(cfg: DictConfig) -> None:
     """Optional start-of-run conveniences from configs/extras/."""
     drop_lightning_console_handler()
     extras = cfg.get("extras") or {}
+    filter_known_warnings()
     if extras.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
     if extras.get("print_config") and rank() == 0:
@@ -70,8 +89,9 @@ def log_outcome(cfg: DictConfig, trainer, metrics: dict[str, float], best_checkp
             logger.log_hyperparams(best)
 
 
-def write_metrics(metrics: dict, run_dir: str | Path, prefix: str = "test/") -> dict[str, float]:
-    """Write `metrics.json` (name -> float) in the run directory; rank 0 writes, atomically."""
+def write_metrics(metrics: dict, run_dir: str | Path, prefix: tuple[str, ...] = ("val/", "test/")) -> dict[str, float]:
+    """Write `metrics.json` (name -> float) in the run directory: the final validation's and the test's metrics;
+    rank 0 writes, atomically."""
     values = {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(prefix)}
     if rank() == 0:
         path = Path(run_dir) / "metrics.json"
