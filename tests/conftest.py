@@ -15,6 +15,23 @@ from tests.helpers.processes import FAST, run, run_dirs
 register_resolvers()  # as the entry points do: composed configs use ${run_id:}, ${precision:}, ...
 
 
+def pytest_configure(config):
+    """Child runs start from a warm interpreter (tests/helpers/warm.py): imports once, not once a process."""
+    import os
+
+    from mlproject.core.constants import PROJECT_ROOT
+    from tests.helpers import processes, warm
+
+    if os.environ.get("MLPROJECT_COLD_TESTS") != "1":
+        processes.PYTHON, config._warm_server = warm.start(PROJECT_ROOT, processes.clean_env())
+
+
+def pytest_unconfigure(config):
+    if server := getattr(config, "_warm_server", None):
+        server.kill()
+        server.wait()
+
+
 @pytest.fixture
 def compose_cfg(tmp_path):
     """compose_cfg(*overrides) -> the composed train (or eval) config, resolvable outside a Hydra run."""

@@ -4,7 +4,6 @@ on CPU), and checkpoints load either way (module keys carry no `_orig_mod.`)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hydra.utils import instantiate
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.distributed.parallel import apply_compile
 from tests.helpers.gpt import TINY_GPT
-from tests.helpers.processes import clean_env, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, run_dirs
 
 TINY = [
     *TINY_GPT,
@@ -46,7 +45,7 @@ def runs(tmp_path_factory) -> dict:
     procs = {}
     for name, overrides in RUNS.items():
         out = tmp_path_factory.mktemp(name)
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={out}", *TINY, *overrides]
+        cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={out}", *TINY, *overrides]
         cmd += [f"+callbacks.recorder.path={out / 'record.pt'}", f"+callbacks.last.dirpath={out / 'ckpt'}"]
         proc = subprocess.Popen(
             cmd, cwd=PROJECT_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from mlproject.core.errors import ConfigError
 from mlproject.data.tokens import TokensDataModule
 from tests.checkpoint.helpers import kill_at, run_dir, train, wait_until_gone, weights
 from tests.data.resume import assert_close_to, assert_resumed_in_place, record
-from tests.helpers.processes import FAST, clean_env, free_port, read_metrics, run, run_dirs, together
+from tests.helpers.processes import FAST, PYTHON, clean_env, free_port, read_metrics, run, run_dirs, together
 
 TINY_GPT = ["model=gpt", "model.net.n_layer=1", "model.net.n_head=2", "model.net.n_embd=32"]
 FEW_STEPS = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "test=false"]
@@ -90,7 +89,7 @@ def test_preparation_killed_half_way_is_redone_not_used(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", 128 << 20)
     out = tmp_path / "tok"
     args = ["data=tokens", f"data.source={corpus}/*.txt", f"data.dir={out}", "data.shard_tokens=2097152"]
-    cmd = [sys.executable, "-m", "mlproject.prepare", f"paths.log_dir={tmp_path}/logs", *args]
+    cmd = [PYTHON, "-m", "mlproject.prepare", f"paths.log_dir={tmp_path}/logs", *args]
     proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(), stdout=subprocess.DEVNULL)
     tmp = tmp_path / f"tok.tmp-{os.uname().nodename}-{proc.pid}"
     while not (tmp / "tokens-00002.bin").exists():  # a few shards written, far from the 64 of the corpus
@@ -168,7 +167,7 @@ def test_two_nodes_of_two_processes_prepare_once_per_node(tmp_path):
     for node in range(2):
         env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
         cmd = [
-            sys.executable,
+            PYTHON,
             "-m",
             "mlproject.train",
             f"paths.log_dir={tmp_path}/logs",

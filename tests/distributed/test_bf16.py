@@ -15,7 +15,6 @@ the loss in bf16: an update under u of a weight is lost, so it only tracks fp32 
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from mlproject.core.constants import PROJECT_ROOT
 from tests.checkpoint.helpers import assert_export_matches
 from tests.distributed.conftest import EXACT
 from tests.distributed.test_model_parallel import TINY
-from tests.helpers.processes import clean_env, read_metrics, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, read_metrics, run_dirs
 
 U = 2**-9  # bf16's unit roundoff
 MIXED = "trainer.precision=bf16-mixed"
@@ -58,7 +57,7 @@ def runs(tmp_path_factory, single_reference) -> dict[str, dict]:
     for name, overrides in {**DIGITS, **GPT}.items():
         log_dir = tmp_path_factory.mktemp(name)
         base = [*TINY, f"+callbacks.recorder.path={log_dir / 'record.pt'}"] if name in GPT else EXACT
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *base, *overrides]
+        cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *base, *overrides]
         if name == "gpt_fsdp":
             cmd.append(f"+callbacks.ckpt.dirpath={log_dir / 'checkpoints'}")
         env = clean_env(OMP_NUM_THREADS="1")

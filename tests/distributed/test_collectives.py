@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from mlproject.core.constants import EXIT_SIGTERM, PROJECT_ROOT
 from tests.helpers.gpt import TINY_GPT
-from tests.helpers.processes import clean_env
+from tests.helpers.processes import PYTHON, clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -57,7 +56,7 @@ def runs(tmp_path_factory) -> dict:
     for name, overrides in RUNS.items():
         out = tmp_path_factory.mktemp(name)
         key = "count" if name != "sigterm" else "signal"
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={out}", *TINY, *overrides]
+        cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={out}", *TINY, *overrides]
         cmd.append(f"+callbacks.{key}.dir={out}")
         popen = subprocess.Popen(
             cmd, cwd=PROJECT_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT

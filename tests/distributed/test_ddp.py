@@ -10,7 +10,7 @@ import torch
 
 from mlproject.core.constants import PROJECT_ROOT
 from tests.distributed.conftest import EXACT, assert_same_training, train_steps
-from tests.helpers.processes import clean_env, free_port, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, free_port, run_dirs
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def run_nodes(commands: list[list[str]], envs: list[dict], timeout: int = 300) -
 def test_two_nodes_by_env_world_2(tmp_path, single_reference):
     """NODE_RANK / MASTER_ADDR / MASTER_PORT, one process per node: one run directory, same training."""
     port = str(free_port())
-    cmd = [sys.executable, "-m", "mlproject.train", *EXACT, f"paths.log_dir={tmp_path}"]
+    cmd = [PYTHON, "-m", "mlproject.train", *EXACT, f"paths.log_dir={tmp_path}"]
     cmd += ["strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1", "run_id=two_nodes"]
     # Two "machines" share these cores: one thread each (Lightning would give each node all the cores).
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from mlproject.checkpoint.convert import export, load_full, load_module, run_con
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.data.text import TextDataModule
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, wait_until_gone
-from tests.helpers.processes import clean_env, read_metrics, run, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, read_metrics, run, run_dirs
 
 DECAY = 0.75  # 1 - DECAY is exact in binary; after 6 steps the start still weighs 0.75**6 = 18%
 STEPS = 6
@@ -66,7 +65,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     procs = {}
     for name, overrides in RUNS.items():
         log_dir = tmp_path_factory.mktemp(name)
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *GPT, *RECORD, *overrides]
+        cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *GPT, *RECORD, *overrides]
         cmd.append(f"+callbacks.weights.path={log_dir / 'weights.pt'}")
         env = clean_env(OMP_NUM_THREADS="1")
         popen = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -194,7 +193,7 @@ def test_fsdp_resume_with_ema_is_bitwise(tmp_path):
         "run_id=run",
     ]
     logs = {name: tmp_path / name for name in ("straight", "mid")}
-    cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={logs['straight']}", *setup]
+    cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={logs['straight']}", *setup]
     straight = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
     killed = run("train", *setup, "ckpt_path=auto", *kill_at(5), log_dir=logs["mid"], check=False)
     assert killed.returncode != 0

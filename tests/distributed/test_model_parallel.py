@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from mlproject.core.constants import PROJECT_ROOT
 from tests.helpers.gpt import TINY_GPT, assert_trains_like
-from tests.helpers.processes import clean_env, read_metrics, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, read_metrics, run_dirs
 
 TINY = [
     *TINY_GPT,
@@ -67,7 +66,7 @@ def start_runs(tmp_path_factory, common: list[str], strategies: dict[str, list[s
     procs = {}
     for name, overrides in strategies.items():
         log_dir = tmp_path_factory.mktemp(name)
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *common, *overrides]
+        cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={log_dir}", *common, *overrides]
         cmd.append(f"+callbacks.recorder.path={log_dir / 'record.pt'}")
         popen = subprocess.Popen(
             cmd, cwd=PROJECT_ROOT, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT

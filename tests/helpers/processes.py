@@ -24,6 +24,9 @@ LIVE: set[int] = set()
 STOP = threading.Event()
 PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
+# The interpreter of child runs: warm (tests/helpers/warm.py, set by conftest) unless MLPROJECT_COLD_TESTS=1.
+PYTHON = sys.executable
+
 # Runs in tests stay small: few epochs, no config tree, quiet warnings; on the CPU even where a GPU is visible.
 FAST = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=2"]
 
@@ -60,7 +63,7 @@ def run(
 ) -> subprocess.CompletedProcess:
     """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output. On a
     timeout the run's whole process group is killed: the ranks Lightning started besides the one it runs in."""
-    cmd = [sys.executable, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
+    cmd = [PYTHON, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
     env = env or clean_env()
     with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, text=True, start_new_session=True, **PIPES) as child:
         LIVE.add(child.pid)
@@ -128,7 +131,7 @@ def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [PYTHON, str(script), *args],
             cwd=PROJECT_ROOT,
             env=clean_env(
                 MASTER_ADDR="127.0.0.1",

@@ -1,0 +1,272 @@
+"""A warm Python for the test suite's child processes: most of a short run's CPU is its imports (~5 CPU-s of
+torch and Lightning a process), paid again by every rank of every multi-process proof.
+
+`start()` runs one server process that imports torch, Lightning and the package once, before any thread or
+accelerator exists, and returns the path of a stand-in interpreter. `[stand_in, "-m", "mlproject.train", ...]`
+behaves as `python -m mlproject.train ...` would: the server forks a child that takes the stand-in's
+stdin, stdout and stderr, working directory, environment and arguments, and runs the module as `__main__`.
+The stand-in mirrors the child: a signal sent to it reaches the child's process group (the child is a session
+leader, so its own children, e.g. the local ranks it starts, get it too, as in `kill -TERM -<pgid>`), the
+child's exit status is its own (a child killed by signal N kills the stand-in with N), and a stand-in that
+dies (SIGKILL) takes the child's group with it. Inside the child `sys.executable` is the stand-in, so the
+ranks it starts are warm too. Anything the server cannot run as a cold interpreter would (other modules,
+other Python options, a different PYTHONPATH or thread settings, which bind at import) is handed to the real
+interpreter with exec: the stand-in is then that process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import random
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+# Environment read at import (thread pools, module search path, hashing): a request that differs here from
+# the server's is run cold.
+BOUND_AT_IMPORT = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONWARNINGS",
+    "CUDA_VISIBLE_DEVICES",
+)
+WARM_MODULES = ("mlproject.", "torch.distributed.run")  # `-m` targets run warm; scripts under tests/ too
+IMPORTS = (  # what a run imports anyway, in the order a run does
+    "torch",
+    "lightning.pytorch",
+    "torchmetrics",
+    "hydra",
+    "omegaconf",
+    "rich",
+    "torch.distributed.run",
+    "mlproject.build",
+    "mlproject.checkpoint.state",
+    "mlproject.checkpoint.storage",
+    "mlproject.utils.report",
+    "mlproject.utils.loggers",
+    "mlproject.cluster.requeue",
+    "mlproject.callbacks.progress",
+    "mlproject.distributed.strategies",
+)
+
+STAND_IN = r'''#!{python} -S
+# The test suite's warm interpreter (tests/helpers/warm.py): asks its server to run this command.
+import json, os, signal, socket, sys
+REAL, SOCKET, TESTS, BOUND = {real!r}, {socket!r}, {tests!r}, {bound!r}  # BOUND: the server's values
+
+
+def cold():
+    os.execv(REAL, [REAL, *sys.argv[1:]])
+
+
+def target(args):
+    """(how, what, argv) for `python [-u] -m mod ... | script.py ... | -c code ...`, or None."""
+    while args[:1] == ["-u"]:
+        args = args[1:]
+    if args[:1] == ["-m"] and len(args) > 1 and args[1].startswith({warm_modules!r}):
+        return "module", args[1], args[1:]
+    if args[:1] == ["-c"] and len(args) > 1:
+        return "code", args[1], ["-c", *args[2:]]
+    if args and args[0].endswith(".py") and os.path.realpath(args[0]).startswith(TESTS):
+        return "script", os.path.realpath(args[0]), args
+    return None
+
+
+run = target(sys.argv[1:])
+# started by SLURM (tests/cluster): as a user's job would be, with the real interpreter
+if run is None or "SLURM_JOB_ID" in os.environ or any(os.environ.get(k) != v for k, v in BOUND.items()):
+    cold()
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    server.connect(SOCKET)
+    request = json.dumps({{"run": run, "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
+    socket.send_fds(server, [request], [0, 1, 2])
+    pid = int(server.recv(64))
+except (OSError, ValueError):
+    cold()  # no server (it ended, or never started): be the real interpreter
+
+
+def forward(signum, frame):
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:  # the child has not made its session yet, or has ended
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(s, forward)
+status = int(server.recv(64) or -signal.SIGKILL)
+sys.stdout.flush()
+if status >= 0:
+    os._exit(status)
+if -status != signal.SIGKILL:
+    signal.signal(-status, signal.SIG_DFL)
+os.kill(os.getpid(), -status)
+'''
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+
+
+def serve(path: str, stand_in: str) -> dict:
+    """The server's loop. Returns only in a forked child, with the request it is to run."""
+    _die_with_parent()
+    for name in IMPORTS:
+        __import__(name)
+    gc.freeze()  # children's collections skip what is imported here: its pages stay shared, not copied
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.replace(path + ".tmp", path)  # stand-ins run cold until the imports are done
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "children")
+    children: dict[int, socket.socket] = {}  # pid -> its stand-in's connection
+    while True:
+        for key, _ in selector.select():
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                    request = json.loads(data)
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    for fd in (listener.fileno(), wake_r, wake_w, *(c.fileno() for c in children.values())):
+                        os.close(fd)
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for target, fd in enumerate(fds):
+                        os.dup2(fd, target)
+                        os.close(fd)
+                    conn.close()
+                    request["stand_in"] = stand_in
+                    return request
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(str(pid).encode())
+                children[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.data == "children":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                while children:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    if pid == 0:
+                        break
+                    if conn := children.pop(pid, None):
+                        selector.unregister(conn)
+                        with contextlib.suppress(OSError):
+                            conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+                        conn.close()
+            elif not key.fileobj.recv(64):  # the stand-in died: so does its child's process group
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(key.data, signal.SIGKILL)
+                selector.unregister(key.fileobj)
+
+
+def run_child(request: dict) -> None:
+    """In the forked child: become the process the stand-in was asked to be, run it, and exit as Python would,
+    less the interpreter's teardown, which would touch (and so copy) every page shared with the server."""
+    os.setsid()
+    _die_with_parent()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, kept for its life
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
+    sys.executable = request["stand_in"]
+    random.seed()  # a new interpreter's streams, not the server's copy
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    how, what, argv = request["run"]
+    sys.argv = list(argv)
+    code = 0
+    try:
+        if how == "module":
+            sys.path[0] = request["cwd"]
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        elif how == "script":
+            sys.path[0] = os.path.dirname(what)
+            runpy.run_path(what, run_name="__main__")
+        else:
+            sys.path[0] = ""
+            exec(compile(what, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for thread in threading.enumerate():  # as the interpreter does before exiting: wait for non-daemon threads
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def start(project_root: Path, env: dict[str, str]) -> tuple[str, subprocess.Popen]:
+    """Start the server with `env` (the environment test runs get); returns (stand-in path, server)."""
+    folder = tempfile.mkdtemp(prefix="warm-python-")
+    path, stand_in = f"{folder}/server.sock", f"{folder}/python"
+    bound = {k: env.get(k) for k in BOUND_AT_IMPORT}
+    Path(stand_in).write_text(
+        STAND_IN.format(
+            python=sys.executable,
+            real=sys.executable,
+            socket=path,
+            tests=str(project_root / "tests"),
+            bound=bound,
+            warm_modules=WARM_MODULES,
+        )
+    )
+    os.chmod(stand_in, 0o755)
+    cmd = [sys.executable, "-m", "tests.helpers.warm", path, stand_in]
+    with open(f"{folder}/server.log", "w") as log:
+        server = subprocess.Popen(cmd, cwd=project_root, env=env, start_new_session=True, stdout=log, stderr=log)
+    return stand_in, server
+
+
+if __name__ == "__main__":
+    sys.path[0] = os.getcwd()
+    run_child(serve(*sys.argv[1:3]))
