@@ -71,6 +71,7 @@ class Signals(L.Callback):
         self.received = {signal.SIGTERM: False}
         self._last_step = self._checked_step = -1
         self._skipped_seen = 0
+        self._sharded = False  # whether ranks hold different parts of the gradients (on_train_start)
         self._first_nonfinite = self._skipped = self._losses = None  # on the device, from on_train_start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -95,6 +96,17 @@ class Signals(L.Callback):
         # where a per-step isfinite and flag update took ~70 us of CPU a step (and as many GPU launches)
         self._losses = torch.zeros(self.every_n_steps, device=device)
         self._last_step = self._checked_step = trainer.global_step  # a resumed run starts at its checkpoint
+        # Sharded parameters (fsdp, tp) or a pipeline stage's own: each rank sees only its part of the gradients, where
+        # a NaN may not be, and ranks deciding alone would apply a partial step. With skip_nonfinite they agree in one
+        # small all-reduce a step (DDP's gradients are whole on every rank: none there).
+        self._sharded = (
+            dist.is_available()
+            and dist.is_initialized()
+            and (
+                any(hasattr(p, "to_local") for p in pl_module.parameters())
+                or getattr(pl_module, "pipeline", None) is not None
+            )
+        )
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         # a sum over the step's micro-batches: non-finite if any of them is
@@ -112,6 +124,10 @@ class Signals(L.Callback):
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor: this rank's shard
         if local:
             bad |= ~torch.isfinite(torch.stack(torch._foreach_norm(local)).sum())
+        if self._sharded:
+            flag = bad.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bad = flag.bool()
         for g in local:
             g.masked_fill_(bad, 0)
         self._skipped += bad
