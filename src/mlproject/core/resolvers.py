@@ -94,10 +94,12 @@ def default_precision(accelerator: str = "auto") -> str:
     return precision_for(capability)
 
 
-def distributed_debug_level(accelerator: str = "auto") -> str:
+def distributed_debug_level(trainer: str = "auto") -> str:
     """TORCH_DISTRIBUTED_DEBUG for debug=distributed: DETAIL (collective checks) on GPU; INFO on CPU, where
-    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo."""
-    return "DETAIL" if on_gpu(accelerator) else "INFO"
+    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo. `trainer`: the trainer group's choice
+    (cpu | gpu | default, whose accelerator is auto) or an accelerator; Hydra resolves env_set without the job's
+    config, so `${trainer.accelerator}` is out of reach there."""
+    return "DETAIL" if on_gpu("auto" if trainer == "default" else trainer) else "INFO"
 
 
 def register_resolvers() -> None:
