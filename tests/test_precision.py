@@ -30,8 +30,8 @@ out = {{}}
 with initialize_config_dir(config_dir={str(CONFIG_DIR)!r}, version_base="1.3"):
     for trainer in ("cpu", "gpu", "default"):
         cfg = compose("train", [f"trainer={{trainer}}", "debug=distributed"], return_hydra_config=True)
-        env = OmegaConf.to_container(cfg.hydra.job.env_set, resolve=True)
-        out[trainer] = [cfg.trainer.precision, env["TORCH_DISTRIBUTED_DEBUG"]]
+        # (not the whole env_set: compose leaves hydra.runtime.output_dir unset, which a run sets)
+        out[trainer] = [cfg.trainer.precision, cfg.hydra.job.env_set.TORCH_DISTRIBUTED_DEBUG]
 print(json.dumps(out))
 """
 
