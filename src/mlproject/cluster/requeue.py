@@ -60,6 +60,7 @@ from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 
+EXIT_OOM = 1  # out of memory: the one line above says where and what to run
 NEVER = 2**62  # "no non-finite step yet"; the first such step is agreed as the smallest over ranks
 
 
@@ -177,6 +178,28 @@ class Signals(L.Callback):
                 f"median rank's {median:.3f} s, over {self.straggler_ratio:g}x (cluster.straggler_ratio); every rank "
                 "waits for it: look at its node (another job, a slow disk, a throttled GPU)"
             )
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """An out-of-memory error ends the run in one line: the rank, the step, the device's figures, and the `make
+        plan` command that shows what each layout needs per rank (debug=memory records where it went)."""
+        if not isinstance(exception, torch.OutOfMemoryError):
+            return
+        device, figures = trainer.strategy.root_device, "host memory"
+        if device.type == "cuda":
+            gib = 2**30
+            peak, reserved = torch.cuda.max_memory_allocated(device) / gib, torch.cuda.memory_reserved(device) / gib
+            total = torch.cuda.get_device_properties(device).total_memory / gib
+            figures = f"{peak:.2f} GiB peak allocated, {reserved:.2f} GiB reserved, of {total:.2f} GiB"
+        from hydra.core.hydra_config import HydraConfig
+
+        args = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+        print(
+            f"error: out of memory on rank {trainer.global_rank} at step {trainer.global_step} ({figures}); "
+            f'`make plan ARGS="{args}"` shows what each layout needs per rank and which fit',
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_OOM) from None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # A save (every rank is in it) at a step no check has covered: check the loss first, so that no
