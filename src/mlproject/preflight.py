@@ -113,7 +113,17 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
         memory, limit, where = ram and ram // topology.devices_per_node, 1.0, "share of the host's available RAM"
     if memory is None:
         return
-    row = largest(cfg, f"strategy={topology.strategy}")
+    layout = f"strategy={topology.strategy}"
+    if topology.model_parallel:
+        # The estimate shards the meta model on a fake process group, whose meshes torch caches for the process:
+        # a forked child estimates, and this process's real group starts clean.
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+            row = pool.submit(largest, cfg, layout).result()
+    else:
+        row = largest(cfg, layout)
     if row.total <= limit * memory:
         return
     from hydra.core.hydra_config import HydraConfig
