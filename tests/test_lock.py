@@ -78,3 +78,11 @@ def test_lock_covers_the_install():
     assert "--require-hashes -r $(LOCK)" in makefile and "LOCK        ?= requirements.lock" in makefile
     torch = re.search(r"^TORCH\s+\?= torch==(\S+)", makefile, re.M).group(1)
     assert pins["torch"] == Version(torch)
+
+
+def test_torch_floor_has_the_apis_the_code_calls():
+    """DeviceMesh._unflatten (distributed/parallel.py) is torch >= 2.9; an older torch the range allowed would fail
+    at the first mesh."""
+    _, reqs = pyproject_requirements()
+    torch = next(r for r in reqs if r.name == "torch")
+    assert Version("2.8.99") not in torch.specifier and Version("2.9") in torch.specifier

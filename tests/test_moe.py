@@ -40,3 +40,19 @@ def test_router_losses():
     moe.stats = {}
     moe(torch.randn(1, 2, 4))
     assert moe.stats == {}  # evaluation issues no collective and keeps no statistics
+
+
+def test_bf16_experts_run_as_grouped_gemms_without_a_graph_break():
+    """Under bf16 autocast (bf16-mixed) the experts run as grouped GEMMs delimited on the device: the layer compiles
+    as one graph (a `.tolist()` of the counts would sync the host and break it), forward and backward, and computes
+    what the fp32 loop over experts computes, within bf16's rounding."""
+    torch.manual_seed(0)
+    moe = MoE(n_embd=16, n_expert=4, top_k=2, dropout=0.0)
+    x = torch.randn(2, 6, 16)
+    reference = moe(x)
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break raises
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+    out.float().square().sum().backward()
+    assert moe.experts.fc_weight.grad is not None and torch.isfinite(moe.experts.fc_weight.grad).all()
+    torch.testing.assert_close(out.float(), reference, rtol=2**-6, atol=2**-6)

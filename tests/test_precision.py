@@ -1,6 +1,7 @@
 """Precision and the distributed debug level follow the trainer's accelerator as composed, not the host.
 
-The host here has no GPU, so a child process makes CUDA look available (a bf16 GPU) before composing.
+The host here has no GPU, so a child process makes CUDA look available (a bf16 GPU: NVML says compute capability
+9.0) before composing.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import sys
 
 import torch
 
+from mlproject.core import resolvers
 from mlproject.core.constants import CONFIG_DIR, PROJECT_ROOT
 from tests.helpers.processes import clean_env
 
 FAKE_BF16_GPU = (
-    "import torch; torch.cuda.is_available = lambda: True; torch.cuda.is_bf16_supported = lambda *a, **k: True\n"
+    "import torch; torch.cuda.is_available = lambda: True\n"
+    "import mlproject.core.resolvers as r; r.gpu_capability = lambda: (9, 0)\n"
 )
 COMPOSE = f"""
 import json
@@ -27,8 +30,8 @@ out = {{}}
 with initialize_config_dir(config_dir={str(CONFIG_DIR)!r}, version_base="1.3"):
     for trainer in ("cpu", "gpu", "default"):
         cfg = compose("train", [f"trainer={{trainer}}", "debug=distributed"], return_hydra_config=True)
-        env = OmegaConf.to_container(cfg.hydra.job.env_set, resolve=True)
-        out[trainer] = [cfg.trainer.precision, env["TORCH_DISTRIBUTED_DEBUG"]]
+        # (not the whole env_set: compose leaves hydra.runtime.output_dir unset, which a run sets)
+        out[trainer] = [cfg.trainer.precision, cfg.hydra.job.env_set.TORCH_DISTRIBUTED_DEBUG]
 print(json.dumps(out))
 """
 
@@ -64,8 +67,26 @@ def test_train_cfg_job_on_a_bf16_gpu_host_prints_fp32_for_trainer_cpu():
 def test_precision_is_not_cached_across_accelerators(compose_cfg, monkeypatch):
     """A resolver's cache key is its argument's text (`${trainer.accelerator}`), the same for every value."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(resolvers, "gpu_capability", lambda: (8, 0))
     cfg = compose_cfg("trainer=cpu")
     assert cfg.trainer.precision == "32-true"
     cfg.trainer.accelerator = "gpu"
     assert cfg.trainer.precision == "bf16-mixed"
+
+
+def test_a_gpu_that_only_emulates_bf16_defaults_to_fp16_mixed(monkeypatch):
+    """A V100 (compute capability 7.0): torch.cuda.is_bf16_supported() says yes by default (emulation), but
+    emulated bf16 is slow; 16-mixed with Lightning's loss scaling instead. Decided from NVML, with CUDA left
+    uninitialised (each rank's process picks its own device later)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(resolvers, "gpu_capability", lambda: (7, 0))
+    assert resolvers.default_precision("gpu") == "16-mixed"
+    assert resolvers.default_precision("cpu") == "32-true"
+    assert not torch.cuda.is_initialized()
+    assert resolvers.precision_for((8, 0)) == resolvers.precision_for((9, 0)) == "bf16-mixed"
+    assert resolvers.precision_for((7, 5)) == "16-mixed"
+
+
+def test_gpu_capability_is_none_without_nvml():
+    assert resolvers.gpu_capability() is None or torch.cuda.is_available()  # this host: no NVML, no GPU

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import measure_flops
 
-from mlproject.callbacks.throughput import peak_flops
+from mlproject.callbacks.throughput import Throughput, peak_flops
 from mlproject.models.components.gpt import GPT
 from tests.helpers.processes import FAST, run, run_dirs
 
@@ -28,7 +29,40 @@ def test_gpt_flops_per_token():
 
 def test_peak_flops():
     assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H100 NVL") == 835e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("cpu") is None
+
+
+class SplitLater(L.LightningModule):
+    """Like a later pipeline stage: configure_model drops the embedding its FLOP count reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 1)
+
+    @property
+    def flops_per_token(self) -> int:
+        return 6 * self.head.weight.numel() + self.emb.embedding_dim
+
+    def configure_model(self):
+        self.emb = None
+
+    def training_step(self, batch, batch_idx):
+        return self.head(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+def test_flops_per_token_is_read_before_configure_model(tmp_path):
+    callback = Throughput(samples_per_step=2, tokens_per_sample=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, callbacks=[callback], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(SplitLater(), data)
+    assert callback.flops_per_token == 6 * 4 + 4
 
 
 @pytest.mark.slow

@@ -173,7 +173,9 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
     if not any(isinstance(c, Signals) for c in callbacks):
         every = OmegaConf.select(cfg, "cluster.signal_check_every_n_steps", default=10)
         divergence = cfg.get("divergence") or {}
-        callbacks = [*callbacks, Signals(every, divergence.get("skip", False), divergence.get("max_skipped", 10))]
+        ratio = OmegaConf.select(cfg, "cluster.straggler_ratio", default=1.5)
+        signals = Signals(every, divergence.get("skip", False), divergence.get("max_skipped", 10), ratio)
+        callbacks = [*callbacks, signals]
 
     skip_redundant_log_moves()
     call_only_overridden_callback_hooks()

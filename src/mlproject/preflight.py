@@ -86,6 +86,56 @@ def check_vocabulary(cfg: DictConfig) -> None:
         )
 
 
+def available_ram() -> int | None:
+    """Bytes the kernel says new allocations can take without swapping (MemAvailable); None off Linux."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    kib = next((line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    return int(kib) * 1024 if kib else None
+
+
+def check_memory(cfg: DictConfig, topology: Topology) -> None:
+    """Refuse a training run whose planned per-rank memory (plan.py's estimate of this layout, on the meta device)
+    exceeds the device's: the GPU's (cluster.gpu_memory_gb, else the visible one's, with plan's headroom), or on
+    CPU the host's available RAM shared by the node's ranks. The kernel's OOM killer would end it with no word."""
+    from mlproject.core.resolvers import on_gpu
+    from mlproject.plan import HEADROOM, device_memory, largest, size
+
+    if not topology.training or not (cfg.get("cluster") or {}).get("check_memory", True):
+        return
+    gpu = on_gpu(cfg.trainer.accelerator)
+    if gpu:
+        memory, limit, where = device_memory(cfg), HEADROOM, "GPU"
+    else:
+        ram = available_ram()
+        memory, limit, where = ram and ram // topology.devices_per_node, 1.0, "share of the host's available RAM"
+    if memory is None:
+        return
+    layout = f"strategy={topology.strategy}"
+    if topology.model_parallel:
+        # The estimate shards the meta model on a fake process group, whose meshes torch caches for the process:
+        # a forked child estimates, and this process's real group starts clean.
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+            row = pool.submit(largest, cfg, layout).result()
+    else:
+        row = largest(cfg, layout)
+    if row.total <= limit * memory:
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    args = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+    raise ConfigError(
+        f"{row.layout} needs {size(row.total)} per rank ({size(row.states)} model states, {size(row.activations)} "
+        f'activations), more than this {where}: {size(memory)}; `make plan ARGS="{args}"` shows the layouts '
+        "that fit (cluster.check_memory=false skips this check)"
+    )
+
+
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
     from hydra.core.hydra_config import HydraConfig
@@ -110,6 +160,7 @@ def preflight(cfg: DictConfig) -> Topology:
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
     check_launch(cfg, topology, multirun=HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN")
     check_deepspeed(cfg, topology)
+    check_memory(cfg, topology)
     return topology
 
 

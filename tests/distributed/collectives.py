@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -75,3 +76,24 @@ class SendSignal(Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         record = {"step": trainer.global_step, "exception": type(exception).__name__}
         (self.dir / f"stopped{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class Slow(Callback):
+    """Every rank sleeps `seconds` before each batch, rank `rank` `factor` times as long: a straggler."""
+
+    def __init__(self, seconds: float, rank: int = 1, factor: float = 3.0):
+        self.seconds, self.rank, self.factor = seconds, rank, factor
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        time.sleep(self.seconds * (self.factor if trainer.global_rank == self.rank else 1))
+
+
+class Stall(Callback):
+    """Rank `rank` sleeps forever before the batch after optimizer step `step`: a rank that stops."""
+
+    def __init__(self, step: int, rank: int = 1):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        while trainer.global_step == self.step and trainer.global_rank == self.rank:
+            time.sleep(3600)

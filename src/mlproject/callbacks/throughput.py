@@ -10,13 +10,23 @@ Lightning already reads the logged values to the host.
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
 from lightning.pytorch import Callback
 
 # Dense bf16 tensor-core peaks per GPU (no sparsity), FLOP/s. Longest name first wins (GH200 before H200).
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12}
+# H100's PCIe and NVL boards clock lower than its SXM one (the plain "H100" name of e.g. "H100 80GB HBM3").
+PEAK_BF16_FLOPS = {
+    "A100": 312e12,
+    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+}
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -26,8 +36,9 @@ def peak_flops(device_name: str) -> float | None:
 class Throughput(Callback):
     """`samples_per_step`: the global batch (all data-parallel ranks and accumulation steps);
     `tokens_per_sample`: the sequence length, or null for data that are not token sequences. MFU needs
-    the module's `flops_per_token` (training FLOPs, forward and backward) and a bf16 run on a GPU listed
-    in PEAK_BF16_FLOPS."""
+    the module's `flops_per_token` (training FLOPs, forward and backward; a method or a value) and a bf16 run on a
+    GPU listed in PEAK_BF16_FLOPS. It is read in `setup`, before configure_model: a pipeline stage holds only its
+    own layers afterwards (a later stage has no embedding to count)."""
 
     def __init__(self, samples_per_step: int, tokens_per_sample: int | None = None):
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
@@ -36,11 +47,16 @@ class Throughput(Callback):
         self.pipeline = None  # the module's Pipeline under pipeline parallelism
         self._start: tuple[int, float] | None = None  # (global step, time) where the interval began
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # getattr_static: a plain getattr with a default would also hide an AttributeError raised inside it
+        if stage == "fit" and inspect.getattr_static(pl_module, "flops_per_token", None) is not None:
+            value = pl_module.flops_per_token
+            self.flops_per_token = value() if callable(value) else value
+
     def on_train_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda" and "bf16" in str(trainer.precision):
             self.peak = peak_flops(torch.cuda.get_device_name(device))
-        self.flops_per_token = getattr(pl_module, "flops_per_token", None)
         self.pipeline = getattr(pl_module, "pipeline", None)
         self._start = None
 

@@ -45,6 +45,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -59,6 +60,7 @@ from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
 
+EXIT_OOM = 1  # out of memory: the one line above says where and what to run
 NEVER = 2**62  # "no non-finite step yet"; the first such step is agreed as the smallest over ranks
 
 
@@ -66,11 +68,16 @@ class Signals(L.Callback):
     """Save and stop on SIGTERM, stop (or skip) on a non-finite loss; checked every `every_n_steps`
     optimizer steps on all ranks at once."""
 
-    def __init__(self, every_n_steps: int = 10, skip_nonfinite: bool = False, max_skipped: int = 10):
+    def __init__(
+        self, every_n_steps: int = 10, skip_nonfinite: bool = False, max_skipped: int = 10, straggler_ratio: float = 1.5
+    ):
         self.every_n_steps, self.skip_nonfinite, self.max_skipped = every_n_steps, skip_nonfinite, max_skipped
+        self.straggler_ratio = straggler_ratio
+        self._mark, self._busy, self._batches, self._warned = 0.0, 0.0, 0, False  # step times: on_before_backward
         self.received = {signal.SIGTERM: False}
         self._last_step = self._checked_step = -1
         self._skipped_seen = 0
+        self._sharded = False  # whether ranks hold different parts of the gradients (on_train_start)
         self._first_nonfinite = self._skipped = self._losses = None  # on the device, from on_train_start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -95,8 +102,28 @@ class Signals(L.Callback):
         # where a per-step isfinite and flag update took ~70 us of CPU a step (and as many GPU launches)
         self._losses = torch.zeros(self.every_n_steps, device=device)
         self._last_step = self._checked_step = trainer.global_step  # a resumed run starts at its checkpoint
+        self._mark, self._busy, self._batches = None, 0.0, 0
+        # Sharded parameters (fsdp, tp) or a pipeline stage's own: each rank sees only its part of the gradients, where
+        # a NaN may not be, and ranks deciding alone would apply a partial step. With skip_nonfinite they agree in one
+        # small all-reduce a step (DDP's gradients are whole on every rank: none there).
+        self._sharded = (
+            dist.is_available()
+            and dist.is_initialized()
+            and (
+                any(hasattr(p, "to_local") for p in pl_module.parameters())
+                or getattr(pl_module, "pipeline", None) is not None
+            )
+        )
+
+    def on_train_batch_start(self, *args) -> None:
+        if self._mark is None:  # the first batch of the run or after a validation: its loading is not timed
+            self._mark = -1.0
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        # A rank's own time: from the end of its last batch to its backward (loading, forward). Later, in backward's
+        # gradient all-reduce, the ranks wait for the slowest, and every rank's wall-clock step is the same.
+        if self._mark >= 0:
+            self._busy, self._batches = self._busy + time.perf_counter() - self._mark, self._batches + 1
         # a sum over the step's micro-batches: non-finite if any of them is
         self._losses[trainer.global_step % self.every_n_steps].add_(loss.detach())
 
@@ -112,6 +139,10 @@ class Signals(L.Callback):
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor: this rank's shard
         if local:
             bad |= ~torch.isfinite(torch.stack(torch._foreach_norm(local)).sum())
+        if self._sharded:
+            flag = bad.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bad = flag.bool()
         for g in local:
             g.masked_fill_(bad, 0)
         self._skipped += bad
@@ -121,7 +152,54 @@ class Signals(L.Callback):
         step = trainer.global_step  # the same on every rank; unchanged between accumulated micro-batches
         stepped, self._last_step = step != self._last_step, step
         if stepped and step % self.every_n_steps == 0:
-            self.act(trainer, self.agree(trainer))
+            agreed = self.agree(trainer)
+            self.report_step_times(trainer, agreed["step_times"])
+            self.act(trainer, agreed)
+        self._mark = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark = None  # validation is no training step
+
+    def report_step_times(self, trainer: L.Trainer, times: list[float]) -> None:
+        """Log the slowest and fastest rank's mean step time, and warn once naming a rank slower than
+        straggler_ratio x the median rank's (the lower middle one): every rank waits for it at each step."""
+        if not times or min(times) <= 0:
+            return
+        slowest = max(range(len(times)), key=times.__getitem__)
+        for logger in trainer.loggers:
+            logger.log_metrics(
+                {"perf/step_time_max": max(times), "perf/step_time_min": min(times)}, trainer.global_step
+            )
+        median = sorted(times)[(len(times) - 1) // 2]
+        if not self._warned and times[slowest] > self.straggler_ratio * median:
+            self._warned = True
+            log.warning(
+                f"rank {slowest} is a straggler: {times[slowest]:.3f} s a step (loading and forward) against the "
+                f"median rank's {median:.3f} s, over {self.straggler_ratio:g}x (cluster.straggler_ratio); every rank "
+                "waits for it: look at its node (another job, a slow disk, a throttled GPU)"
+            )
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """An out-of-memory error ends the run in one line: the rank, the step, the device's figures, and the `make
+        plan` command that shows what each layout needs per rank (debug=memory records where it went)."""
+        if not isinstance(exception, torch.OutOfMemoryError):
+            return
+        device, figures = trainer.strategy.root_device, "host memory"
+        if device.type == "cuda":
+            gib = 2**30
+            peak, reserved = torch.cuda.max_memory_allocated(device) / gib, torch.cuda.memory_reserved(device) / gib
+            total = torch.cuda.get_device_properties(device).total_memory / gib
+            figures = f"{peak:.2f} GiB peak allocated, {reserved:.2f} GiB reserved, of {total:.2f} GiB"
+        from hydra.core.hydra_config import HydraConfig
+
+        args = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+        print(
+            f"error: out of memory on rank {trainer.global_rank} at step {trainer.global_step} ({figures}); "
+            f'`make plan ARGS="{args}"` shows what each layout needs per rank and which fit',
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_OOM) from None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # A save (every rank is in it) at a step no check has covered: check the loss first, so that no
@@ -131,15 +209,27 @@ class Signals(L.Callback):
             self.check_loss(trainer, self.agree(trainer))
 
     def agree(self, trainer: L.Trainer) -> dict:
-        """What any rank received or saw, agreed by all: one all-reduce (MAX) and one read of its result."""
+        """What any rank received or saw, and every rank's mean step time since the last check (microseconds, in
+        its own slot), agreed by all: one all-reduce (MAX) and one read of its result."""
         self._note_first_nonfinite()
         self._checked_step = trainer.global_step
+        distributed = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
         flags = torch.tensor(list(self.received.values()), dtype=torch.int64, device=self._skipped.device)
-        state = torch.cat([flags, torch.stack([NEVER - self._first_nonfinite, self._skipped])])
-        if dist.is_available() and dist.is_initialized():
+        times = torch.zeros(world, dtype=torch.int64, device=flags.device)
+        if self._batches:  # the batches timed since the last check (the first one after a validation is not)
+            times[rank] = int(1e6 * self._busy / self._batches * trainer.accumulate_grad_batches)
+        self._busy, self._batches = 0.0, 0
+        state = torch.cat([flags, torch.stack([NEVER - self._first_nonfinite, self._skipped]), times])
+        if distributed:
             dist.all_reduce(state, op=dist.ReduceOp.MAX)  # not strategy.reduce: it adds a barrier before
-        *flags, first, skipped = state.tolist()
-        return {**dict(zip(self.received, flags, strict=True)), "first_nonfinite": NEVER - first, "skipped": skipped}
+        values, n = state.tolist(), len(self.received)
+        return {
+            **dict(zip(self.received, values[:n], strict=True)),
+            "first_nonfinite": NEVER - values[n],
+            "skipped": values[n + 1],
+            "step_times": [t / 1e6 for t in values[n + 2 :]],
+        }
 
     def _note_first_nonfinite(self) -> None:
         """Fold the first non-finite step since the last check into _first_nonfinite, and clear the window. Checks

@@ -67,6 +67,7 @@ RANGES: dict[str, Range] = {
     "model.scheduler.warmup_fraction": FRACTION,
     "model.scheduler.min_lr_ratio": FRACTION,
     "strategy.timeout": POSITIVE,
+    "cluster.collective_timeout_s": POSITIVE,
     "strategy.tensor_parallel_size": COUNT,
     "cluster.signal_check_every_n_steps": COUNT,
     "cluster.gpu_memory_gb": POSITIVE,

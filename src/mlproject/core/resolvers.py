@@ -43,19 +43,63 @@ def on_gpu(accelerator: str) -> bool:
     return accelerator == "auto" and torch.cuda.is_available()
 
 
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest CUDA compute capability among this machine's GPUs, asked of NVML (the driver's management
+    library): CUDA's own answer (torch.cuda.get_device_capability) initialises CUDA in a process that has no
+    device yet, before Lightning gives each rank its own. None where NVML is not there."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count, caps = ctypes.c_uint(), []
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                return None
+            if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
+                return None
+            caps.append((major.value, minor.value))
+        return min(caps, default=None)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def precision_for(capability: tuple[int, int]) -> str:
+    """bf16-mixed where the GPU computes bf16 natively (Ampere, compute capability 8.0, and later); before that
+    (V100, T4) bf16 is emulated and slow: fp16-mixed, whose loss scaling Lightning adds (a GradScaler)."""
+    return "bf16-mixed" if capability >= (8, 0) else "16-mixed"
+
+
 def default_precision(accelerator: str = "auto") -> str:
-    """bf16-mixed on a CUDA GPU that supports it, else full fp32 (CPU autocast is slow and lossy)."""
+    """bf16-mixed on a GPU with native bf16, 16-mixed on an older one, full fp32 on CPU (CPU autocast is slow and
+    lossy). Decided without initialising CUDA (gpu_capability)."""
     if not on_gpu(accelerator):
         return "32-true"
     import torch
 
-    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+    if not torch.cuda.is_available():
+        return "32-true"  # accelerator=gpu without a GPU: preflight says so in one line
+    if torch.version.hip:
+        return "bf16-mixed"  # every ROCm GPU torch supports computes bf16
+    capability = gpu_capability()
+    if capability is None:  # no NVML (a container without the driver's library): CUDA's own answer
+        capability = torch.cuda.get_device_capability(0)
+    return precision_for(capability)
 
 
-def distributed_debug_level(accelerator: str = "auto") -> str:
+def distributed_debug_level(trainer: str = "auto") -> str:
     """TORCH_DISTRIBUTED_DEBUG for debug=distributed: DETAIL (collective checks) on GPU; INFO on CPU, where
-    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo."""
-    return "DETAIL" if on_gpu(accelerator) else "INFO"
+    DETAIL makes torch 2.13's DistributedDataParallel segfault over gloo. `trainer`: the trainer group's choice
+    (cpu | gpu | default, whose accelerator is auto) or an accelerator; Hydra resolves env_set without the job's
+    config, so `${trainer.accelerator}` is out of reach there."""
+    return "DETAIL" if on_gpu("auto" if trainer == "default" else trainer) else "INFO"
 
 
 def register_resolvers() -> None:

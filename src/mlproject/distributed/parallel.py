@@ -85,13 +85,6 @@ class ModelParallel(ModelParallelStrategy):
             self.pipeline_parallel_size,
         )
 
-    def setup_environment(self) -> None:
-        # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.
-        self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
-        super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
-        self.meshes = named_meshes(self.topology, self.root_device.type)
-        self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
-
     @property
     def distributed_sampler_kwargs(self) -> dict:
         dp = self.meshes["data_parallel"]
@@ -198,14 +191,41 @@ class ModelParallel(ModelParallelStrategy):
                 group["params"] = names
         return state
 
-    def setup(self, trainer) -> None:
-        # Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be silently ignored.
-        # BatchNorm's buffers are not sharded, and its parameters are gathered whole when the layer runs.
+    @property
+    def fsdp_settings(self) -> dict | None:
+        """The FSDP settings `parallelize` applies. Under bf16-mixed, unset dtypes become torchtitan's: parameters
+        gathered and computed in bf16 (half fp32's all-gather traffic), gradients reduced in fp32 (a sum over many
+        ranks keeps its low bits); an explicit `param_dtype: float32` keeps fp32 gathers."""
+        if self.fsdp is None:
+            return None
+        settings = dict(self.fsdp)
+        if str(self.precision_plugin.precision) == "bf16-mixed":
+            settings["param_dtype"] = settings.get("param_dtype") or "bfloat16"
+            settings["reduce_dtype"] = settings.get("reduce_dtype") or "float32"
+        return settings
+
+    def setup_environment(self) -> None:
+        # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.
+        self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+        super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
+        self.meshes = named_meshes(self.topology, self.root_device.type)
+        self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
+        # SyncBatchNorm before configure_model shards the model: the conversion builds new modules (torch's on GPU,
+        # ours on CPU alike), and after fully_shard they would hold the sharded weights while FSDP gathers into the
+        # old ones. Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be ignored.
         from lightning.pytorch.trainer.states import TrainerFn
 
-        if self._layer_sync and trainer.state.fn == TrainerFn.FITTING:
+        if self._layer_sync and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self.model = self._layer_sync.apply(self.model)
-        super().setup(trainer)
+
+    def model_to_device(self) -> None:
+        """Lightning moves the whole module to the device after configure_model; with FSDP's CPU offload that would
+        move the host-held shards back to the GPU (FSDP2 then fails at the first forward): only buffers go."""
+        if not (self.fsdp or {}).get("cpu_offload"):
+            return super().model_to_device()
+        for module in self.model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(self.root_device))  # a buffer's name keeps it a buffer
 
 
 def blocks_of(model: nn.Module, blocks: list[str]) -> list[nn.Module]:
@@ -353,10 +373,10 @@ def parallelize(
         order = {name: i for i, (name, _) in enumerate(pl_module.named_parameters())}  # before the split
         views = split(net, pp.get_local_rank(), pp.size(), schedule, **pipeline)
         for view in views.values():
-            shard(view, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
+            shard(view, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
         pl_module.pipeline = Pipeline(views, pp, schedule, microbatches, loss_fn, order)
     else:
-        shard(net, meshes, strategy.fsdp, blocks, colwise, rowwise, experts, compile)
+        shard(net, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
     set_batch_group(net, meshes["data_parallel"].get_group())
     # A TP group evaluates the same samples: metrics sum over the other ranks only, or they count them twice.
     for metric in pl_module.modules():

@@ -39,7 +39,8 @@ class AllReduceSum(torch.autograd.Function):
 
 class CPUSyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics cover the global batch, on CPU. Not an nn.SyncBatchNorm subclass:
-    DDP refuses those on CPU. Created from a BatchNorm layer by swapping its class (same parameters)."""
+    DDP refuses those on CPU. Made from the nn.SyncBatchNorm that torch's converter built, by swapping its class
+    (same attributes)."""
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -75,15 +76,13 @@ class CPUSyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(model: nn.Module, cpu: bool) -> tuple[nn.Module, int]:
-    """Every BatchNorm layer synchronises over all ranks (torch's SyncBatchNorm on GPU); returns the count."""
-    if not cpu:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        return model, sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
-    layers = [model] if isinstance(model, _BatchNorm) else []
-    layers += [m for m in model.modules() if isinstance(m, _BatchNorm) and m is not model]
-    for layer in layers:
-        if not isinstance(layer, CPUSyncBatchNorm):
-            layer._plain_class = type(layer)
+    """Every BatchNorm layer synchronises over all ranks; returns the count. Both paths build new modules with
+    torch's converter (on CPU they then compute as CPUSyncBatchNorm), so a CPU run proves what the GPU's does,
+    down to which module objects hold the parameters."""
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    layers = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    if cpu:
+        for layer in layers:
             layer.__class__ = CPUSyncBatchNorm
     return model, len(layers)
 
@@ -104,5 +103,5 @@ class SyncBatchNormPlugin(TorchSyncBatchNorm):
     def revert(self, model: nn.Module) -> nn.Module:
         for layer in model.modules():
             if isinstance(layer, CPUSyncBatchNorm):
-                layer.__class__ = layer.__dict__.pop("_plain_class")
+                layer.__class__ = nn.SyncBatchNorm  # what the conversion made: Lightning's revert undoes that
         return super().revert(model)

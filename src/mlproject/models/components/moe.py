@@ -59,13 +59,21 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: token rows sorted by expert; counts: rows per expert (all n_expert of them)."""
         if self.ep_group is None:
-            return self._run(x, counts.tolist())
+            return self._run(x, counts)
         return self._expert_parallel(x, counts)
 
-    def _run(self, x: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, counts: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         # every expert's weights take part, with no rows too, so every rank's gradients have the same structure
         fc, proj = (_ScaleGrad.apply(_local(w), grad_scale) for w in (self.fc_weight, self.proj_weight))
-        rows = x.split(counts)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        if dtype == torch.bfloat16 and x.size(-1) % 8 == 0:  # grouped GEMMs take bf16 rows of 16-byte multiples
+            # One grouped GEMM per layer over the experts' row blocks, delimited on the device: no host sync for
+            # the counts, no loop over experts, no graph break under compile.
+            offs = counts.to(x.device).cumsum(0).to(torch.int32)
+            hidden = F.gelu(F.grouped_mm(x.to(dtype), fc.to(dtype), offs=offs))
+            return F.grouped_mm(hidden, proj.to(dtype), offs=offs)
+        rows = x.split(counts.tolist())  # fp32 (grouped_mm has no fp32 kernel on GPU): a loop over experts
         return torch.cat([F.gelu(r @ fc[e]) @ proj[e] for e, r in enumerate(rows)])
 
     def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -85,7 +93,7 @@ class Experts(nn.Module):
         # An expert's gradient sums the tokens of the ep ranks; FSDP then averages over the ranks that hold the
         # same expert (data-parallel size / ep), so 1/ep here makes it the data-parallel mean a dense one is.
         # (FSDP's own set_gradient_divide_factor needs PREMUL_SUM, which gloo lacks.)
-        y = self._run(by_expert, received.sum(0).tolist(), 1 / ep).split(received.t().flatten().tolist())
+        y = self._run(by_expert, received.sum(0), 1 / ep).split(received.t().flatten().tolist())
         y = torch.cat([y[e * ep + r] for r in range(ep) for e in range(local)])  # back to (source rank, expert)
         return all_to_all_single_autograd(y, send_splits, recv_splits, group)
 
