@@ -26,8 +26,8 @@ BASE = [
     "strategy=ddp",
     "extras.print_config=false",
     "trainer.max_epochs=1",
-    f"+trainer.max_steps={STEPS}",
-    "+trainer.limit_val_batches=0",
+    f"trainer.max_steps={STEPS}",
+    "trainer.limit_val_batches=0",
     "test=false",
     f"cluster.signal_check_every_n_steps={EVERY}",
 ]
