@@ -1,19 +1,24 @@
-"""Every trial of a sweep is its own run: its own directory, W&B and MLflow runs, finished before the next starts."""
+"""Every trial of a sweep is its own run (its own directory, W&B and MLflow runs, ranks); studies survive and prune."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers.processes import run
+from mlproject.core.constants import PROJECT_ROOT
+from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run, run_in_process
 
-SHORT = [f"+trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=optuna implies -m
+SHORT = [f"++trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
 
 
 @pytest.mark.slow
 def test_optuna_trials_are_separate_wandb_and_mlflow_runs(tmp_path):
-    sweep = ["hparams_search=optuna", "hydra.sweeper.n_trials=2", "logger=many", "run_id=sweep"]
+    sweep = ["hparams_search=digits", "hydra.sweeper.n_trials=2", "logger=many", "run_id=sweep"]
     run("train", *sweep, "trainer=cpu", "trainer.max_epochs=1", *SHORT, "extras.print_config=false", log_dir=tmp_path)
     trials = [tmp_path / "train" / "multiruns" / "sweep" / str(n) for n in (0, 1)]
     logs = [(t / "wandb" / "debug.log").read_text() for t in trials]
@@ -32,3 +37,93 @@ def test_optuna_trials_are_separate_wandb_and_mlflow_runs(tmp_path):
         assert found.info.run_name == f"train-sweep-{n}" and found.info.status == "FINISHED"
         runs.append(found.info)
     assert runs[0].end_time <= runs[1].start_time
+
+
+TINY = ["trainer=cpu", "trainer.max_epochs=1", *[f"++trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]]
+
+
+def study(sweep_dir):
+    import optuna
+
+    return optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir}/study.db")
+
+
+@pytest.mark.slow
+def test_ddp_trials_of_a_multirun_each_start_their_ranks(tmp_path):
+    """`-m strategy=ddp trainer.devices=2 lr=a,b`: each trial starts its own second rank (its own command, not
+    the sweep's), one run directory per trial holds both ranks' logs, and the trials differ by their lr."""
+    sweep = ["hydra.mode=MULTIRUN", "strategy=ddp", "trainer.devices=2", "model.optimizer.lr=0.002,0.02", "run_id=ddp"]
+    run("train", *sweep, *TINY, "extras.print_config=false", log_dir=tmp_path, timeout=400)
+    trials = [tmp_path / "train" / "multiruns" / "ddp" / str(n) for n in (0, 1)]
+    assert sorted(p.name for p in trials[0].parent.iterdir() if p.is_dir()) == ["0", "1"]  # no third trial
+    for trial, lr in zip(trials, ("0.002", "0.02"), strict=True):
+        assert f"model.optimizer.lr={lr}" in (trial / ".hydra" / "overrides.yaml").read_text()
+        assert "x 2 data-parallel rank(s)" in (trial / "train.log").read_text()
+        assert (trial / "train_ddp_process_1.log").exists()  # rank 1 wrote into this trial's directory
+        assert read_metrics(trial)["test/acc"] >= 0
+    assert read_metrics(trials[0]) != read_metrics(trials[1])
+
+
+def test_a_search_space_for_another_model_names_the_file_to_copy(tmp_path):
+    code, err = run_in_process("train", "experiment=gpt", "hparams_search=digits", log_dir=tmp_path)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "error: hparams_search=digits searches model.net.channels, which model=gpt does not have; copy "
+        "configs/hparams_search/digits.yaml to configs/hparams_search/gpt.yaml and list its keys"
+    )
+    code, err = run_in_process("train", "hparams_search=optuna", log_dir=tmp_path)
+    assert code == 2 and "holds no search space; use hparams_search=digits or gpt" in err
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_continues_its_study(tmp_path):
+    """Killed while its third trial runs, the same command again ends with exactly 4 finished trials; the
+    first two are kept as they were, the one that was running is marked failed and run anew."""
+    import sqlite3
+    import time
+
+    cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
+    cmd += ["hydra.sweeper.n_trials=4", "run_id=study", "extras.print_config=false", *TINY]
+    sweep_dir = tmp_path / "train" / "multiruns" / "study"
+    with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(), start_new_session=True, **PIPES) as first:
+        try:
+            while first.poll() is None:  # until trial 2 runs, then kill the whole sweep
+                with contextlib.suppress(sqlite3.Error, FileNotFoundError):
+                    db = sqlite3.connect(f"file:{sweep_dir / 'study.db'}?mode=ro", uri=True)
+                    with contextlib.closing(db):
+                        if db.execute("select count(*) from trials").fetchone()[0] >= 3:
+                            break
+                time.sleep(0.2)
+        finally:
+            kill_group(first.pid)
+    assert first.wait() != 0, first.stderr.read()[-2000:]
+    before = [(t.number, t.state.name, t.value, t.params) for t in study(sweep_dir).trials]
+    assert [b[1] for b in before] == ["COMPLETE", "COMPLETE", "RUNNING"]
+
+    run("train", *cmd[4:], log_dir=tmp_path)
+    after = study(sweep_dir).trials
+    assert [(t.number, t.state.name, t.value, t.params) for t in after[:2]] == before[:2]
+    assert [t.state.name for t in after[2:]] == ["FAIL", "COMPLETE", "COMPLETE"]
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [r["state"] for r in rows].count("COMPLETE") == 4
+    assert all(float(r["value"]) >= 0 for r in rows if r["state"] == "COMPLETE")
+
+
+@pytest.mark.slow
+def test_a_hopeless_ddp_trial_is_pruned_on_both_ranks(tmp_path):
+    """Trial 0 trains well; trial 1 (same study, lr far too high) is judged worse than the median at its
+    first validation: both ranks stop there, it skips its test, is recorded as pruned, and the sweep exits 0."""
+    common = ["hparams_search=digits", "run_id=prune", "strategy=ddp", "trainer.devices=2", *TINY[:1]]
+    common += ["trainer.max_epochs=3", "++trainer.limit_train_batches=4", "++trainer.limit_val_batches=2"]
+    common += ["model.scheduler.warmup_steps=0"]  # the bad lr is bad from the first step
+    common += ["hydra.sweeper.pruner.n_startup_trials=1", "extras.print_config=false", "test=false"]
+    run("train", *common, "hydra.sweeper.n_trials=1", "model.optimizer.lr=0.005", log_dir=tmp_path, timeout=400)
+    run("train", *common, "hydra.sweeper.n_trials=2", "model.optimizer.lr=5.0", log_dir=tmp_path, timeout=400)
+    sweep_dir = tmp_path / "train" / "multiruns" / "prune"
+    good, bad = study(sweep_dir).trials
+    assert (good.state.name, bad.state.name) == ("COMPLETE", "PRUNED")
+    assert list(bad.intermediate_values) == [4]  # judged once, at the first validation (step 4), then stopped
+    assert bad.intermediate_values[4] < good.intermediate_values[4]
+    for log in ("train.log", "train_ddp_process_1.log"):
+        text = (sweep_dir / "1" / log).read_text()
+        assert re.search(r"\[rank [01]\] trial pruned at step 4\b", text), text[-2000:]

@@ -119,7 +119,12 @@ def hydra_entry(config_name: str):
                 with local_ranks_end():  # the local ranks a task started (launch_local_ranks) end with it
                     return task(cfg)
             except ERRORS as exc:
+                from hydra.core.hydra_config import HydraConfig
+
                 discard_run_dir()
+                if HydraConfig.get().mode.name == "MULTIRUN":  # one trial fails: Hydra records it, the sweep goes on
+                    print(f"error: trial {HydraConfig.get().job.num}: {one_line(exc)}", file=sys.stderr)
+                    raise
                 exit_with(exc)
 
         wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)

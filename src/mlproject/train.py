@@ -55,7 +55,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = dict(trainer.callback_metrics)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    if cfg.test:
+    if cfg.test and not any(getattr(c, "pruned", False) for c in callbacks):  # a pruned sweep trial: no test
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
         metrics.update(trainer.callback_metrics)
 
