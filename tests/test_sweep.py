@@ -45,7 +45,9 @@ TINY = ["trainer=cpu", "trainer.max_epochs=1", *[f"++trainer.limit_{s}_batches=2
 def study(sweep_dir):
     import optuna
 
-    return optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir}/study.db")
+    from mlproject.callbacks.pruning import open_storage
+
+    return optuna.load_study(study_name="sweep", storage=open_storage(f"sqlite:///{sweep_dir}/study.db"))
 
 
 @pytest.mark.slow
@@ -69,7 +71,7 @@ def test_a_search_space_for_another_model_names_the_file_to_copy(tmp_path):
     assert code == 2
     assert err.strip().splitlines()[-1] == (
         "error: hparams_search=digits searches model.net.channels, which model=gpt does not have; copy "
-        "configs/hparams_search/digits.yaml to configs/hparams_search/gpt.yaml and list its keys"
+        "configs/hparams_search/digits.yaml to configs/hparams_search/gpt.yaml and list its keys."
     )
     code, err = run_in_process("train", "hparams_search=optuna", log_dir=tmp_path)
     assert code == 2 and "holds no search space; use hparams_search=digits or gpt" in err
@@ -83,7 +85,8 @@ def test_a_killed_sweep_continues_its_study(tmp_path):
     import time
 
     cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
-    cmd += ["hydra.sweeper.n_trials=4", "run_id=study", "extras.print_config=false", *TINY]
+    cmd += ["hydra.sweeper.n_trials=4", "run_id=study", "extras.print_config=false", "~logger", *TINY]
+    cmd += ["hydra.sweeper.pruner.n_startup_trials=10"]  # no pruning: every trial completes
     sweep_dir = tmp_path / "train" / "multiruns" / "study"
     with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(), start_new_session=True, **PIPES) as first:
         try:

@@ -15,7 +15,7 @@ class Pruning(Callback):
     together. The pruned trial is told as pruned in the study by rank 0, skips its test and exits 0.
 
     Outside a `hparams_search` sweep (a plain run, the trial's other local ranks) it only takes part in the
-    broadcast. The trial is Hydra job number k of the sweep (mlproject/sweeper.py keeps them equal)."""
+    broadcast. The trial is Hydra job number k of the sweep (hydra_plugins/mlproject_sweeper keeps them equal)."""
 
     def __init__(self, monitor: str) -> None:
         self.monitor = monitor
@@ -52,12 +52,21 @@ def current_trial():
         return None
     hc = HydraConfig.get()
     sweeper = hc.sweeper
-    if "pruner" not in sweeper:
+    if "pruner" not in sweeper or not sweeper.storage:  # another sweeper, or a study in the sweep's memory
         return None
     import optuna
 
-    storage = optuna.storages.get_storage(sweeper.storage)
+    storage = open_storage(sweeper.storage)
     study_id = storage.get_study_id_from_name(sweeper.study_name)
     trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, hc.job.num)
     study = optuna.load_study(study_name=sweeper.study_name, storage=storage, pruner=instantiate(sweeper.pruner))
     return optuna.trial.Trial(study, trial_id)
+
+
+def open_storage(url: str):
+    """The Optuna storage at `url`. hydra-optuna-sweeper pins optuna < 3, whose RDBStorage predates SQLAlchemy 2
+    (optuna 3.1 adapted to it): it stamps its schema version on a connection it never commits, and every later
+    open fails its version check. Autocommit connections keep the stamp (and every write, one at a time)."""
+    import optuna
+
+    return optuna.storages.RDBStorage(url, engine_kwargs={"isolation_level": "AUTOCOMMIT"})
