@@ -114,8 +114,8 @@ def test_a_killed_sweep_continues_its_study(tmp_path):
 
 @pytest.mark.slow
 def test_a_hopeless_ddp_trial_is_pruned_on_both_ranks(tmp_path):
-    """Trial 0 trains well; trial 1 (same study, lr far too high) is judged worse than the median at its
-    first validation: both ranks stop there, it skips its test, is recorded as pruned, and the sweep exits 0."""
+    """Trial 0 trains well; trial 1 (same study, lr far too high) is judged worse than the median at a
+    validation before its last: both ranks stop at that one, it is recorded as pruned, and the sweep exits 0."""
     common = ["hparams_search=digits", "run_id=prune", "strategy=ddp", "trainer.devices=2", *TINY[:1]]
     common += ["trainer.max_epochs=3", "++trainer.limit_train_batches=4", "++trainer.limit_val_batches=2"]
     common += ["model.scheduler.warmup_steps=0"]  # the bad lr is bad from the first step
@@ -125,8 +125,51 @@ def test_a_hopeless_ddp_trial_is_pruned_on_both_ranks(tmp_path):
     sweep_dir = tmp_path / "train" / "multiruns" / "prune"
     good, bad = study(sweep_dir).trials
     assert (good.state.name, bad.state.name) == ("COMPLETE", "PRUNED")
-    assert list(bad.intermediate_values) == [4]  # judged once, at the first validation (step 4), then stopped
-    assert bad.intermediate_values[4] < good.intermediate_values[4]
-    for log in ("train.log", "train_ddp_process_1.log"):
+    assert list(good.intermediate_values) == [4, 8, 12]  # a validation after each epoch of 4 steps
+    *kept, stop = sorted(bad.intermediate_values)  # judged at each validation until the one that pruned it
+    assert stop < 12 and bad.intermediate_values[stop] < good.intermediate_values[stop]
+    assert all(bad.intermediate_values[s] >= good.intermediate_values[s] for s in kept)  # not pruned before
+    for rank, log in enumerate(("train.log", "train_ddp_process_1.log")):
         text = (sweep_dir / "1" / log).read_text()
-        assert re.search(r"\[rank [01]\] trial pruned at step 4\b", text), text[-2000:]
+        assert re.findall(r"\[rank (\d)\] trial pruned at step (\d+)", text) == [(str(rank), str(stop))]
+
+
+def test_k_folds_of_the_digits_validate_every_training_sample_once():
+    """data.folds=3: the folds' validation sets partition train + val; the test set is the one without folds."""
+    from mlproject.data.digits import DigitsDataModule
+
+    plain = DigitsDataModule()
+    plain.setup()
+    folds = [DigitsDataModule(folds=3, fold=k) for k in range(3)]
+    for dm in folds:
+        dm.setup()
+        assert dm.test_set.indices == plain.test_set.indices
+        assert sorted(dm.train_set.indices + dm.val_set.indices) == list(
+            range(len(plain.train_set) + len(plain.val_set))
+        )
+    validated = sorted(i for dm in folds for i in dm.val_set.indices)
+    assert validated == list(range(len(plain.train_set) + len(plain.val_set)))  # each sample in one fold's val
+    assert [len(dm.val_set) for dm in folds] == [479, 479, 479]  # 1,437 train + val samples in 3 equal parts
+
+
+@pytest.mark.slow
+def test_make_cv_writes_each_folds_metrics_and_their_mean_and_std(tmp_path):
+    """`make cv ARGS="... data.folds=3"` runs folds 0, 1, 2 as one sweep; cv.json holds each fold's metrics.json,
+    and the mean and std that recomputing from them gives; each fold validated its third of train + val."""
+    import json
+    import statistics
+
+    args = f"paths.log_dir={tmp_path} data.folds=3 run_id=cv trainer=cpu trainer.max_epochs=1 ~logger"
+    args += " ++trainer.limit_train_batches=2 ++trainer.limit_test_batches=2 extras.print_config=false"
+    proc = subprocess.run(["make", "cv", f"ARGS={args}"], cwd=PROJECT_ROOT, env=clean_env(), **PIPES, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep_dir = tmp_path / "train" / "multiruns" / "cv"
+    cv = json.loads((sweep_dir / "cv.json").read_text())
+    metrics = [read_metrics(sweep_dir / str(k)) for k in range(3)]
+    assert [f["metrics"] for f in cv["folds"]] == metrics
+    assert [f"data.fold={k}" in f["overrides"] for k, f in enumerate(cv["folds"])] == [True] * 3
+    for name in metrics[0]:
+        values = [m[name] for m in metrics]
+        assert cv["mean"][name] == pytest.approx(statistics.fmean(values))
+        assert cv["std"][name] == pytest.approx(statistics.stdev(values))
+    assert len(set(json.dumps(m, sort_keys=True) for m in metrics)) == 3  # three different folds
