@@ -66,6 +66,17 @@ def test_ddp_trials_of_a_multirun_each_start_their_ranks(tmp_path):
     assert read_metrics(trials[0]) != read_metrics(trials[1])
 
 
+@pytest.mark.slow
+def test_a_failed_trial_is_reported_and_the_sweep_goes_on(tmp_path):
+    """Trial 0 is refused (lr=0): one line names it, trial 1 still trains; the sweep then exits non-zero."""
+    sweep = ["hydra.mode=MULTIRUN", "model.optimizer.lr=0,0.005", "run_id=fail", "~logger"]
+    proc = run("train", *sweep, *TINY, "extras.print_config=false", log_dir=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert re.search(r"^error: trial 0: model.optimizer.lr=0 .*", proc.stderr, flags=re.M), proc.stderr[-2000:]
+    trials = tmp_path / "train" / "multiruns" / "fail"
+    assert not (trials / "0" / "metrics.json").exists() and read_metrics(trials / "1")["test/acc"] >= 0
+
+
 def test_a_search_space_for_another_model_names_the_file_to_copy(tmp_path):
     code, err = run_in_process("train", "experiment=gpt", "hparams_search=digits", log_dir=tmp_path)
     assert code == 2
