@@ -59,6 +59,9 @@ EXAMPLES = {
             "tests/data/test_images.py",
             "configs/model/digits.yaml",
             "configs/experiment/digits*.yaml",
+            "configs/hparams_search/digits.yaml",
+            "tests/test_sweep.py",  # sweeps, pruning and k-fold, proven on digits trials
+            "tests/cluster/test_slurm_sweep.py",
             "tests/**/test_*digits*.py",
             "tests/test_train.py",  # the shipped default run: >= 95% on digits
             "tests/distributed/test_exact_eval.py",  # exact evaluation, proven on digits splits
@@ -98,6 +101,7 @@ EXAMPLES = {
             "tests/data/test_tokens.py",
             "configs/model/gpt*.yaml",
             "configs/experiment/gpt*.yaml",
+            "configs/hparams_search/gpt.yaml",
             "tests/**/test_*gpt*.py",
             "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
             "tests/helpers/gpt.py",  # the tiny GPT of the strategy proofs

@@ -20,6 +20,7 @@ from typing import Any
 from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
 from omegaconf import OmegaConf
 
+from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,11 @@ def check_search_space(config: Any, names: list[str]) -> None:
     """Every searched key must exist in the composed config: a search space for another model is refused
     before any trial runs, naming the file to copy."""
     recipe = config.hydra.runtime.choices.get("hparams_search")
+    recipes = sorted(p.stem for p in (CONFIG_DIR / "hparams_search").glob("*.yaml") if p.stem != "optuna")
     if not names:
         raise ConfigError(
-            f"hparams_search={recipe} holds no search space; use hparams_search=digits or gpt, or copy "
-            "configs/hparams_search/digits.yaml to configs/hparams_search/<your model>.yaml and list its keys"
+            f"hparams_search={recipe} holds no search space; use hparams_search={' or '.join(recipes)}, or copy "
+            f"configs/hparams_search/{recipes[0]}.yaml to configs/hparams_search/<your model>.yaml and list its keys"
         )
     absent = object()
     missing = [n for n in names if OmegaConf.select(config, n, default=absent) is absent]
