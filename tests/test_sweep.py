@@ -77,6 +77,24 @@ def test_a_failed_trial_is_reported_and_the_sweep_goes_on(tmp_path):
     assert not (trials / "0" / "metrics.json").exists() and read_metrics(trials / "1")["test/acc"] >= 0
 
 
+@pytest.mark.slow
+def test_two_trials_side_by_side_on_one_machine(tmp_path):
+    """hydra/launcher=submitit_local with n_jobs=2: the two trials of a batch train at the same time, each a
+    process of its own with its own run directory, and both reach the study."""
+    from datetime import datetime
+
+    sweep = ["hparams_search=digits", "hydra/launcher=submitit_local", "hydra.sweeper.n_trials=2"]
+    sweep += ["hydra.sweeper.n_jobs=2", "run_id=side", "~logger", "extras.print_config=false"]
+    run("train", *sweep, *TINY, log_dir=tmp_path, timeout=400)
+    sweep_dir = tmp_path / "train" / "multiruns" / "side"
+    spans = []
+    for n in ("0", "1"):
+        stamps = re.findall(r"^\[([\d-]+ [\d:,]+)\]", (sweep_dir / n / "train.log").read_text(), flags=re.M)
+        spans.append([datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (stamps[0], stamps[-1])])
+    assert max(start for start, _ in spans) < min(end for _, end in spans)  # both ran at once
+    assert [t.state.name for t in study(sweep_dir).trials] == ["COMPLETE", "COMPLETE"]
+
+
 def test_a_search_space_for_another_model_names_the_file_to_copy(tmp_path):
     code, err = run_in_process("train", "experiment=gpt", "hparams_search=digits", log_dir=tmp_path)
     assert code == 2
