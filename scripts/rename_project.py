@@ -44,7 +44,12 @@ class Example:
 
 
 # Tests that prove a feature on both examples go with either (they import both examples' test helpers).
-BOTH = ("tests/distributed/test_bf16.py", "tests/gpu/test_gpu.py", "tests/test_plan.py")
+BOTH = (
+    "tests/distributed/test_bf16.py",
+    "tests/gpu/test_gpu.py",
+    "tests/test_plan.py",
+    "tests/test_search_spaces.py",  # one example's search space for the other's model
+)
 # Add an example's files here when you add them, so that dropping the example drops them too
 # (tests/test_starter.py fails when a kept file still imports a dropped module).
 EXAMPLES = {

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run, run_in_process
+from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run
 
 SHORT = [f"++trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
 
@@ -93,17 +93,6 @@ def test_two_trials_side_by_side_on_one_machine(tmp_path):
         spans.append([datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (stamps[0], stamps[-1])])
     assert max(start for start, _ in spans) < min(end for _, end in spans)  # both ran at once
     assert [t.state.name for t in study(sweep_dir).trials] == ["COMPLETE", "COMPLETE"]
-
-
-def test_a_search_space_for_another_model_names_the_file_to_copy(tmp_path):
-    code, err = run_in_process("train", "experiment=gpt", "hparams_search=digits", log_dir=tmp_path)
-    assert code == 2
-    assert err.strip().splitlines()[-1] == (
-        "error: hparams_search=digits searches model.net.channels, which model=gpt does not have; copy "
-        "configs/hparams_search/digits.yaml to configs/hparams_search/gpt.yaml and list its keys."
-    )
-    code, err = run_in_process("train", "hparams_search=optuna", log_dir=tmp_path)
-    assert code == 2 and "holds no search space; use hparams_search=digits or gpt" in err
 
 
 @pytest.mark.slow
