@@ -67,6 +67,21 @@ def test_ddp_trials_of_a_multirun_each_start_their_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ddp_trial_whose_rank_dies_fails_alone(tmp_path):
+    """Rank 1 SIGKILLed in every trial: each trial reports it and fails, the next trial still starts its own
+    ranks, and the sweep ends non-zero long before the collective timeout (300 s)."""
+    kill = ["+callbacks.kill._target_=tests.helpers.callbacks.KillAt", "+callbacks.kill.step=1"]
+    kill += ["+callbacks.kill.rank=1", "strategy.timeout=300"]
+    sweep = ["hydra.mode=MULTIRUN", "strategy=ddp", "trainer.devices=2", "model.optimizer.lr=0.002,0.005"]
+    sweep += ["run_id=dies", "~logger", "extras.print_config=false"]
+    proc = run("train", *sweep, *kill, *TINY, log_dir=tmp_path, check=False, timeout=200)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: local rank 1") == 2, proc.stderr[-3000:]
+    for n in ("0", "1"):
+        assert "x 2 data-parallel rank(s)" in (tmp_path / "train" / "multiruns" / "dies" / n / "train.log").read_text()
+
+
+@pytest.mark.slow
 def test_a_failed_trial_is_reported_and_the_sweep_goes_on(tmp_path):
     """Trial 0 is refused (lr=0): one line names it, trial 1 still trains; the sweep then exits non-zero."""
     sweep = ["hydra.mode=MULTIRUN", "model.optimizer.lr=0,0.005", "run_id=fail", "~logger"]
