@@ -132,6 +132,9 @@ def hydra_entry(config_name: str):
         @functools.wraps(task)
         def main():
             register_resolvers()
+            # what a job's other local ranks run: a sweep's launcher may run the job in a process of its own
+            spec = sys.modules["__main__"].__spec__
+            os.environ["_MLPROJECT_ENTRY"] = spec.name if spec else os.path.abspath(sys.argv[0])
             if "_MLPROJECT_FULL_ERROR" not in os.environ:  # child processes inherit the user's choice
                 os.environ["_MLPROJECT_FULL_ERROR"] = "user" if os.environ.get("HYDRA_FULL_ERROR") == "1" else "1"
             os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -34,6 +34,12 @@ def launched_externally() -> bool:
 
 def check_launch(cfg: DictConfig, topology: Topology) -> None:
     nodes = topology.nodes
+    if topology.strategy == "deepspeed" and topology.devices_per_node > 1 and _trials_share_this_process():
+        raise ConfigError(  # deepspeed.utils.groups caches the first trial's process groups for the process's life
+            "strategy=deepspeed_* in a multirun whose trials run in this one process: DeepSpeed keeps the first "
+            "trial's process groups, so the next trial cannot make its own; add hydra/launcher=submitit_local "
+            "(each trial a process of its own) or run the sweep on SLURM"
+        )
     if nodes > 1 and cfg.get("run_id") == generated_run_id():
         raise ConfigError(
             f"trainer.num_nodes={nodes}: every node must write into one run directory, but this node made up "
@@ -120,8 +126,8 @@ def launch_local_ranks(cfg: DictConfig, topology: Topology) -> None:
         LOCAL_RANK="0",
         MLPROJECT_RUN_ID=str(cfg.run_id),
     )
-    main = sys.modules["__main__"]
-    cmd = [sys.executable, *(["-m", main.__spec__.name] if main.__spec__ else [os.path.abspath(sys.argv[0])])]
+    entry = os.environ["_MLPROJECT_ENTRY"]  # the entry point's module (or script), as cli.py recorded it
+    cmd = [sys.executable, *([entry] if entry.endswith(".py") else ["-m", entry])]
     # like Lightning under Hydra: this run's directory, a log file per rank, no second .hydra/ folder. In a
     # sweep, the command line would start the whole sweep again: the ranks get this trial's overrides, as a run
     args = [*hc.overrides.task, "hydra.mode=RUN"] if trial else sys.argv[1:]
@@ -172,6 +178,13 @@ def local_ranks_end():
             os.environ.update(environ)
             _children.clear()
             _reported.clear()
+
+
+def _trials_share_this_process() -> bool:
+    """A sweep whose trials Hydra's basic launcher runs one after another in this process."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return _in_sweep() and HydraConfig.get().launcher._target_.endswith(".BasicLauncher")
 
 
 def _in_sweep() -> bool:
