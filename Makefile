@@ -118,3 +118,8 @@ rename: ## turn a plain clone into your project: make rename NAME=my_project [EX
 clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info
 	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+.PHONY: cv
+cv: install ## cross-validate: make cv ARGS="experiment=digits data.folds=5" runs every fold as one sweep (or seed=1,2,3); cv.json in the sweep dir
+	k=$$(printf '%s\n' $(OVERRIDES) | sed -n 's/^data\.folds=\([0-9][0-9]*\)$$/\1/p' | tail -n 1); \
+	$(PY) -m mlproject.train -m $${k:+"data.fold=range(0,$$k)"} $(OVERRIDES)

@@ -44,7 +44,12 @@ class Example:
 
 
 # Tests that prove a feature on both examples go with either (they import both examples' test helpers).
-BOTH = ("tests/distributed/test_bf16.py", "tests/gpu/test_gpu.py", "tests/test_plan.py")
+BOTH = (
+    "tests/distributed/test_bf16.py",
+    "tests/gpu/test_gpu.py",
+    "tests/test_plan.py",
+    "tests/test_search_spaces.py",  # one example's search space for the other's model
+)
 # Add an example's files here when you add them, so that dropping the example drops them too
 # (tests/test_starter.py fails when a kept file still imports a dropped module).
 EXAMPLES = {
@@ -59,6 +64,9 @@ EXAMPLES = {
             "tests/data/test_images.py",
             "configs/model/digits.yaml",
             "configs/experiment/digits*.yaml",
+            "configs/hparams_search/digits.yaml",
+            "tests/test_sweep.py",  # sweeps, pruning and k-fold, proven on digits trials
+            "tests/cluster/test_slurm_sweep.py",
             "tests/**/test_*digits*.py",
             "tests/test_train.py",  # the shipped default run: >= 95% on digits
             "tests/distributed/test_exact_eval.py",  # exact evaluation, proven on digits splits
@@ -98,6 +106,7 @@ EXAMPLES = {
             "tests/data/test_tokens.py",
             "configs/model/gpt*.yaml",
             "configs/experiment/gpt*.yaml",
+            "configs/hparams_search/gpt.yaml",
             "tests/**/test_*gpt*.py",
             "tests/distributed/test_model_parallel.py",  # FSDP / TP against a single process, on the GPT
             "tests/helpers/gpt.py",  # the tiny GPT of the strategy proofs

@@ -1,19 +1,24 @@
-"""Every trial of a sweep is its own run: its own directory, W&B and MLflow runs, finished before the next starts."""
+"""Every trial of a sweep is its own run (its own directory, W&B and MLflow runs, ranks); studies survive and prune."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers.processes import run
+from mlproject.core.constants import PROJECT_ROOT
+from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run
 
-SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=optuna implies -m
+SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
 
 
 @pytest.mark.slow
 def test_optuna_trials_are_separate_wandb_and_mlflow_runs(tmp_path):
-    sweep = ["hparams_search=optuna", "hydra.sweeper.n_trials=2", "logger=many", "run_id=sweep"]
+    sweep = ["hparams_search=digits", "hydra.sweeper.n_trials=2", "logger=many", "run_id=sweep"]
     run("train", *sweep, "trainer=cpu", "trainer.max_epochs=1", *SHORT, "extras.print_config=false", log_dir=tmp_path)
     trials = [tmp_path / "train" / "multiruns" / "sweep" / str(n) for n in (0, 1)]
     logs = [(t / "wandb" / "debug.log").read_text() for t in trials]
@@ -32,3 +37,172 @@ def test_optuna_trials_are_separate_wandb_and_mlflow_runs(tmp_path):
         assert found.info.run_name == f"train-sweep-{n}" and found.info.status == "FINISHED"
         runs.append(found.info)
     assert runs[0].end_time <= runs[1].start_time
+
+
+TINY = ["trainer=cpu", "trainer.max_epochs=1", *[f"++trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]]
+
+
+def study(sweep_dir):
+    import optuna
+
+    from mlproject.callbacks.pruning import open_storage
+
+    return optuna.load_study(study_name="sweep", storage=open_storage(f"sqlite:///{sweep_dir}/study.db"))
+
+
+@pytest.mark.slow
+def test_ddp_trials_of_a_multirun_each_start_their_ranks(tmp_path):
+    """`-m strategy=ddp trainer.devices=2 lr=a,b`: each trial starts its own second rank (its own command, not
+    the sweep's), one run directory per trial holds both ranks' logs, and the trials differ by their lr."""
+    sweep = ["hydra.mode=MULTIRUN", "strategy=ddp", "trainer.devices=2", "model.optimizer.lr=0.002,0.02", "run_id=ddp"]
+    run("train", *sweep, *TINY, "extras.print_config=false", log_dir=tmp_path, timeout=400)
+    trials = [tmp_path / "train" / "multiruns" / "ddp" / str(n) for n in (0, 1)]
+    assert sorted(p.name for p in trials[0].parent.iterdir() if p.is_dir()) == ["0", "1"]  # no third trial
+    for trial, lr in zip(trials, ("0.002", "0.02"), strict=True):
+        assert f"model.optimizer.lr={lr}" in (trial / ".hydra" / "overrides.yaml").read_text()
+        assert "x 2 data-parallel rank(s)" in (trial / "train.log").read_text()
+        assert (trial / "train_ddp_process_1.log").exists()  # rank 1 wrote into this trial's directory
+        assert read_metrics(trial)["test/acc"] >= 0
+    assert read_metrics(trials[0]) != read_metrics(trials[1])
+
+
+@pytest.mark.slow
+def test_a_ddp_trial_whose_rank_dies_fails_alone(tmp_path):
+    """Rank 1 SIGKILLed in every trial: each trial reports it and fails, the next trial still starts its own
+    ranks, and the sweep ends non-zero long before the collective timeout (300 s)."""
+    kill = ["+callbacks.kill._target_=tests.helpers.callbacks.KillAt", "+callbacks.kill.step=1"]
+    kill += ["+callbacks.kill.rank=1", "strategy.timeout=300"]
+    sweep = ["hydra.mode=MULTIRUN", "strategy=ddp", "trainer.devices=2", "model.optimizer.lr=0.002,0.005"]
+    sweep += ["run_id=dies", "~logger", "extras.print_config=false"]
+    proc = run("train", *sweep, *kill, *TINY, log_dir=tmp_path, check=False, timeout=200)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: local rank 1") == 2, proc.stderr[-3000:]
+    for n in ("0", "1"):
+        assert "x 2 data-parallel rank(s)" in (tmp_path / "train" / "multiruns" / "dies" / n / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_reported_and_the_sweep_goes_on(tmp_path):
+    """Trial 0 is refused (lr=0): one line names it, trial 1 still trains; the sweep then exits non-zero."""
+    sweep = ["hydra.mode=MULTIRUN", "model.optimizer.lr=0,0.005", "run_id=fail", "~logger"]
+    proc = run("train", *sweep, *TINY, "extras.print_config=false", log_dir=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert re.search(r"^error: trial 0: model.optimizer.lr=0 .*", proc.stderr, flags=re.M), proc.stderr[-2000:]
+    trials = tmp_path / "train" / "multiruns" / "fail"
+    assert not (trials / "0" / "metrics.json").exists() and read_metrics(trials / "1")["test/acc"] >= 0
+
+
+@pytest.mark.slow
+def test_two_trials_side_by_side_on_one_machine(tmp_path):
+    """hydra/launcher=submitit_local with n_jobs=2: the two trials of a batch train at the same time, each a
+    process of its own with its own run directory, and both reach the study."""
+    from datetime import datetime
+
+    sweep = ["hparams_search=digits", "hydra/launcher=submitit_local", "hydra.sweeper.n_trials=2"]
+    sweep += ["hydra.sweeper.n_jobs=2", "run_id=side", "~logger", "extras.print_config=false"]
+    run("train", *sweep, *TINY, log_dir=tmp_path, timeout=400)
+    sweep_dir = tmp_path / "train" / "multiruns" / "side"
+    spans = []
+    for n in ("0", "1"):
+        stamps = re.findall(r"^\[([\d-]+ [\d:,]+)\]", (sweep_dir / n / "train.log").read_text(), flags=re.M)
+        spans.append([datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (stamps[0], stamps[-1])])
+    assert max(start for start, _ in spans) < min(end for _, end in spans)  # both ran at once
+    assert [t.state.name for t in study(sweep_dir).trials] == ["COMPLETE", "COMPLETE"]
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_continues_its_study(tmp_path):
+    """Killed while its third trial runs, the same command again ends with exactly 4 finished trials; the
+    first two are kept as they were, the one that was running is marked failed and run anew."""
+    import sqlite3
+    import time
+
+    cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
+    cmd += ["hydra.sweeper.n_trials=4", "run_id=study", "extras.print_config=false", "~logger", *TINY]
+    cmd += ["hydra.sweeper.pruner.n_startup_trials=10"]  # no pruning: every trial completes
+    sweep_dir = tmp_path / "train" / "multiruns" / "study"
+    with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(), start_new_session=True, **PIPES) as first:
+        try:
+            while first.poll() is None:  # until trial 2 runs, then kill the whole sweep
+                with contextlib.suppress(sqlite3.Error, FileNotFoundError):
+                    db = sqlite3.connect(f"file:{sweep_dir / 'study.db'}?mode=ro", uri=True)
+                    with contextlib.closing(db):
+                        if db.execute("select count(*) from trials").fetchone()[0] >= 3:
+                            break
+                time.sleep(0.2)
+        finally:
+            kill_group(first.pid)
+    assert first.wait() != 0, first.stderr.read()[-2000:]
+    before = [(t.number, t.state.name, t.value, t.params) for t in study(sweep_dir).trials]
+    assert [b[1] for b in before] == ["COMPLETE", "COMPLETE", "RUNNING"]
+
+    run("train", *cmd[4:], log_dir=tmp_path)
+    after = study(sweep_dir).trials
+    assert [(t.number, t.state.name, t.value, t.params) for t in after[:2]] == before[:2]
+    assert [t.state.name for t in after[2:]] == ["FAIL", "COMPLETE", "COMPLETE"]
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [r["state"] for r in rows].count("COMPLETE") == 4
+    assert all(float(r["value"]) >= 0 for r in rows if r["state"] == "COMPLETE")
+
+
+@pytest.mark.slow
+def test_a_hopeless_ddp_trial_is_pruned_on_both_ranks(tmp_path):
+    """Trial 0 trains well; trial 1 (same study, lr far too high) is judged worse than the median at a
+    validation before its last: both ranks stop at that one, it is recorded as pruned, and the sweep exits 0."""
+    common = ["hparams_search=digits", "run_id=prune", "strategy=ddp", "trainer.devices=2", *TINY[:1]]
+    common += ["trainer.max_epochs=3", "++trainer.limit_train_batches=4", "++trainer.limit_val_batches=2"]
+    common += ["model.scheduler.warmup_steps=0"]  # the bad lr is bad from the first step
+    common += ["hydra.sweeper.pruner.n_startup_trials=1", "extras.print_config=false", "test=false"]
+    run("train", *common, "hydra.sweeper.n_trials=1", "model.optimizer.lr=0.005", log_dir=tmp_path, timeout=400)
+    run("train", *common, "hydra.sweeper.n_trials=2", "model.optimizer.lr=5.0", log_dir=tmp_path, timeout=400)
+    sweep_dir = tmp_path / "train" / "multiruns" / "prune"
+    good, bad = study(sweep_dir).trials
+    assert (good.state.name, bad.state.name) == ("COMPLETE", "PRUNED")
+    assert list(good.intermediate_values) == [4, 8, 12]  # a validation after each epoch of 4 steps
+    *kept, stop = sorted(bad.intermediate_values)  # judged at each validation until the one that pruned it
+    assert stop < 12 and bad.intermediate_values[stop] < good.intermediate_values[stop]
+    assert all(bad.intermediate_values[s] >= good.intermediate_values[s] for s in kept)  # not pruned before
+    for rank, log in enumerate(("train.log", "train_ddp_process_1.log")):
+        text = (sweep_dir / "1" / log).read_text()
+        assert re.findall(r"\[rank (\d)\] trial pruned at step (\d+)", text) == [(str(rank), str(stop))]
+
+
+def test_k_folds_of_the_digits_validate_every_training_sample_once():
+    """data.folds=3: the folds' validation sets partition train + val; the test set is the one without folds."""
+    from mlproject.data.digits import DigitsDataModule
+
+    plain = DigitsDataModule()
+    plain.setup()
+    folds = [DigitsDataModule(folds=3, fold=k) for k in range(3)]
+    for dm in folds:
+        dm.setup()
+        assert dm.test_set.indices == plain.test_set.indices
+        assert sorted(dm.train_set.indices + dm.val_set.indices) == list(
+            range(len(plain.train_set) + len(plain.val_set))
+        )
+    validated = sorted(i for dm in folds for i in dm.val_set.indices)
+    assert validated == list(range(len(plain.train_set) + len(plain.val_set)))  # each sample in one fold's val
+    assert [len(dm.val_set) for dm in folds] == [479, 479, 479]  # 1,437 train + val samples in 3 equal parts
+
+
+@pytest.mark.slow
+def test_make_cv_writes_each_folds_metrics_and_their_mean_and_std(tmp_path):
+    """`make cv ARGS="... data.folds=3"` runs folds 0, 1, 2 as one sweep; cv.json holds each fold's metrics.json,
+    and the mean and std that recomputing from them gives; each fold validated its third of train + val."""
+    import json
+    import statistics
+
+    args = f"paths.log_dir={tmp_path} data.folds=3 run_id=cv trainer=cpu trainer.max_epochs=1 ~logger"
+    args += " ++trainer.limit_train_batches=2 ++trainer.limit_test_batches=2 extras.print_config=false"
+    proc = subprocess.run(["make", "cv", f"ARGS={args}"], cwd=PROJECT_ROOT, env=clean_env(), **PIPES, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep_dir = tmp_path / "train" / "multiruns" / "cv"
+    cv = json.loads((sweep_dir / "cv.json").read_text())
+    metrics = [read_metrics(sweep_dir / str(k)) for k in range(3)]
+    assert [f["metrics"] for f in cv["folds"]] == metrics
+    assert [f"data.fold={k}" in f["overrides"] for k, f in enumerate(cv["folds"])] == [True] * 3
+    for name in metrics[0]:
+        values = [m[name] for m in metrics]
+        assert cv["mean"][name] == pytest.approx(statistics.fmean(values))
+        assert cv["std"][name] == pytest.approx(statistics.stdev(values))
+    assert len(set(json.dumps(m, sort_keys=True) for m in metrics)) == 3  # three different folds

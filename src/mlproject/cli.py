@@ -119,7 +119,12 @@ def hydra_entry(config_name: str):
                 with local_ranks_end():  # the local ranks a task started (launch_local_ranks) end with it
                     return task(cfg)
             except ERRORS as exc:
+                from hydra.core.hydra_config import HydraConfig
+
                 discard_run_dir()
+                if HydraConfig.get().mode.name == "MULTIRUN":  # one trial fails: Hydra records it, the sweep goes on
+                    print(f"error: trial {HydraConfig.get().job.num}: {one_line(exc)}", file=sys.stderr)
+                    raise
                 exit_with(exc)
 
         wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)
@@ -127,6 +132,9 @@ def hydra_entry(config_name: str):
         @functools.wraps(task)
         def main():
             register_resolvers()
+            # what a job's other local ranks run: a sweep's launcher may run the job in a process of its own
+            spec = sys.modules["__main__"].__spec__
+            os.environ["_MLPROJECT_ENTRY"] = spec.name if spec else os.path.abspath(sys.argv[0])
             if "_MLPROJECT_FULL_ERROR" not in os.environ:  # child processes inherit the user's choice
                 os.environ["_MLPROJECT_FULL_ERROR"] = "user" if os.environ.get("HYDRA_FULL_ERROR") == "1" else "1"
             os.environ["HYDRA_FULL_ERROR"] = "1"

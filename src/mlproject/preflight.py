@@ -138,8 +138,6 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
 
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
-    from hydra.core.hydra_config import HydraConfig
-
     from mlproject.cluster import kubernetes
     from mlproject.cluster.slurm import check_in_job
     from mlproject.distributed.launch import check_deepspeed, check_launch
@@ -158,7 +156,7 @@ def preflight(cfg: DictConfig) -> Topology:
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt != "auto" and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
-    check_launch(cfg, topology, multirun=HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN")
+    check_launch(cfg, topology)
     check_deepspeed(cfg, topology)
     check_memory(cfg, topology)
     return topology

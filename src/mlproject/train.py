@@ -55,7 +55,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = dict(trainer.callback_metrics)
     best, why = checkpoint_to_test(trainer)
-    if cfg.test:
+    if cfg.test and not any(getattr(c, "pruned", False) for c in callbacks):  # a pruned sweep trial: no test
         log.info(f"testing {best or 'the model'}: {why}")
         trainer.test(model, datamodule=datamodule, ckpt_path=best)
         metrics.update(trainer.callback_metrics)

@@ -17,7 +17,6 @@ from tests.helpers.processes import run, run_dirs, run_in_process
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["hydra.mode=MULTIRUN", "strategy=ddp", "trainer.devices=2", "seed=1,2"], "cannot use strategy=ddp"),
         (["strategy=ddp", "trainer.num_nodes=2"], "pass the same run_id=<name> on every node"),
         (["strategy=ddp", "trainer.num_nodes=2", "run_id=x"], "but MASTER_ADDR and NODE_RANK not set"),
         (["strategy=deepspeed_stage_2", "trainer.precision=bf16-true"], "DeepSpeed keeps fp32 master weights"),
@@ -25,7 +24,6 @@ from tests.helpers.processes import run, run_dirs, run_in_process
         (["strategy=deepspeed_stage_3_offload"], "already are; use strategy=deepspeed_stage_3"),
     ],
     ids=[
-        "multirun-ddp",
         "nodes-without-run-id",
         "nodes-without-rendezvous",
         "deepspeed-bf16-true",

@@ -17,10 +17,11 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mlproject.core.constants import PAD
+from mlproject.core.errors import ConfigError
 from mlproject.core.topology import per_device_batch_size
 
 
@@ -160,9 +161,14 @@ class TrainSampler(DistributedSampler):
 class DataModule(L.LightningDataModule):
     """Base datamodule. `batch_size` is global: each device gets batch_size / (world x accumulation)."""
 
-    def __init__(self, batch_size: int, num_workers: int = 0, pin_memory: bool = False):
+    def __init__(
+        self, batch_size: int, num_workers: int = 0, pin_memory: bool = False, folds: int | None = None, fold: int = 0
+    ):
         super().__init__()
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        if folds is not None and not (folds >= 2 and 0 <= fold < folds):
+            raise ConfigError(f"data.folds={folds} data.fold={fold}: use folds >= 2 and 0 <= fold < folds")
+        self.folds, self.fold = folds, fold  # k-fold cross-validation over train + val (see `setup`)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -174,6 +180,8 @@ class DataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:  # Lightning calls setup once per stage: build the splits once
             self.train_set, self.val_set, self.test_set = self.splits()
+            if self.folds:
+                self.train_set, self.val_set = fold_split(self.train_set, self.val_set, self.folds, self.fold)
 
     def _world(self) -> tuple[int, int]:
         # The strategy's data-parallel size and rank, not the world's: a tensor-parallel group reads one batch.
@@ -220,3 +228,12 @@ class DataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self.test_dataloader()
+
+
+def fold_split(train: Dataset, val: Dataset, folds: int, fold: int) -> tuple[Dataset, Dataset]:
+    """Fold `fold` of k-fold cross-validation: train + val shuffled once (a fixed seed: the same on every rank,
+    run and fold), cut into `folds` near-equal parts; part `fold` validates, the others train."""
+    pool = ConcatDataset([train, val])
+    parts = np.array_split(np.random.default_rng(0).permutation(len(pool)), folds)
+    held = parts[fold].tolist()
+    return Subset(pool, np.concatenate([p for i, p in enumerate(parts) if i != fold]).tolist()), Subset(pool, held)

@@ -18,8 +18,10 @@ class DigitsDataModule(DataModule):
         split_seed: int = 0,
         num_workers: int = 0,
         pin_memory: bool = False,
+        folds: int | None = None,
+        fold: int = 0,
     ):
-        super().__init__(batch_size, num_workers, pin_memory)
+        super().__init__(batch_size, num_workers, pin_memory, folds, fold)
         self.save_hyperparameters()
 
     def splits(self):

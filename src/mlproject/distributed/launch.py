@@ -32,13 +32,13 @@ def launched_externally() -> bool:
     return any(v in os.environ for v in EXTERNAL_RANK_VARS) or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
-def check_launch(cfg: DictConfig, topology: Topology, multirun: bool) -> None:
-    strategy, nodes = topology.strategy, topology.nodes
-    if multirun and topology.devices_per_node > 1 and strategy not in NO_RELAUNCH and not launched_externally():
-        raise ConfigError(
-            f"hydra multirun (-m) cannot use strategy={strategy}: it re-runs this script once per process, "
-            "which would start the whole sweep again in each; use the SLURM launcher "
-            "(hydra/launcher=submitit_slurm) or strategy=ddp_spawn"
+def check_launch(cfg: DictConfig, topology: Topology) -> None:
+    nodes = topology.nodes
+    if topology.strategy == "deepspeed" and topology.devices_per_node > 1 and _trials_share_this_process():
+        raise ConfigError(  # deepspeed.utils.groups caches the first trial's process groups for the process's life
+            "strategy=deepspeed_* in a multirun whose trials run in this one process: DeepSpeed keeps the first "
+            "trial's process groups, so the next trial cannot make its own; add hydra/launcher=submitit_local "
+            "(each trial a process of its own) or run the sweep on SLURM"
         )
     if nodes > 1 and cfg.get("run_id") == generated_run_id():
         raise ConfigError(
@@ -117,18 +117,21 @@ def launch_local_ranks(cfg: DictConfig, topology: Topology) -> None:
     ):
         return
     hc = HydraConfig.get()
+    trial = hc.mode.name == "MULTIRUN"  # one trial of a sweep: its ranks run this trial alone, then end
     os.environ.update(  # what Lightning's _SubprocessScriptLauncher sets; the user's MASTER_*/NODE_RANK stay
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+        MASTER_PORT=str(_free_port()) if trial else os.environ.get("MASTER_PORT") or str(_free_port()),
         NODE_RANK=os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")),
         WORLD_SIZE=str(per_node * nodes),
         LOCAL_RANK="0",
         MLPROJECT_RUN_ID=str(cfg.run_id),
     )
-    main = sys.modules["__main__"]
-    cmd = [sys.executable, *(["-m", main.__spec__.name] if main.__spec__ else [os.path.abspath(sys.argv[0])])]
-    # like Lightning under Hydra: this run's directory, a log file per rank, no second .hydra/ folder
-    cmd += [*sys.argv[1:], f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"]
+    entry = os.environ["_MLPROJECT_ENTRY"]  # the entry point's module (or script), as cli.py recorded it
+    cmd = [sys.executable, *([entry] if entry.endswith(".py") else ["-m", entry])]
+    # like Lightning under Hydra: this run's directory, a log file per rank, no second .hydra/ folder. In a
+    # sweep, the command line would start the whole sweep again: the ranks get this trial's overrides, as a run
+    args = [*hc.overrides.task, "hydra.mode=RUN"] if trial else sys.argv[1:]
+    cmd += [*args, f'hydra.run.dir="{hc.runtime.output_dir}"', "hydra.output_subdir=null"]
     for rank in range(1, per_node):
         _children.append(
             subprocess.Popen(
@@ -138,28 +141,56 @@ def launch_local_ranks(cfg: DictConfig, topology: Topology) -> None:
                 preexec_fn=_die_with_parent(),
             )
         )
-    threading.Thread(target=_watch_children, daemon=True).start()
+    threading.Thread(target=_watch_children, args=(list(_children), trial), daemon=True).start()
 
 
 @contextlib.contextmanager
 def local_ranks_end():
     """Around a job: if it fails, kill the local ranks it started (they may wait in a collective for it);
-    if it succeeds, wait for them, and fail if one failed. Either way name the ranks that failed."""
+    if it succeeds, wait for them, and fail if one failed. Either way name the ranks that failed. A trial
+    of a sweep then leaves this process as it found it, for the next trial to start its own ranks."""
+    environ = dict(os.environ)
     try:
-        yield
-    except BaseException:
-        # A killed peer closes its sockets before the kernel lets it be reaped: this rank's collective may fail
-        # first. Give the children a moment to show as dead, so that the failure is reported as theirs.
-        deadline = time.monotonic() + 2
-        while _children and time.monotonic() < deadline and all(p.poll() is None for p in _children):
-            time.sleep(0.05)
-        _report_failed()
-        _kill_children()
-        raise
-    for p in _children:
-        p.wait()
-    if _report_failed():
-        sys.exit(1)
+        try:
+            yield
+        except BaseException:
+            # A killed peer closes its sockets before the kernel lets it be reaped: this rank's collective may
+            # fail first. Give the children a moment to show as dead, so that the failure is reported as theirs.
+            deadline = time.monotonic() + 2
+            while _children and time.monotonic() < deadline and all(p.poll() is None for p in _children):
+                time.sleep(0.05)
+            _report_failed()
+            _kill_children()
+            raise
+        for p in _children:
+            p.wait()
+        if _report_failed():
+            if _in_sweep():  # an exception, not an exit: Hydra records the trial as failed and the sweep goes on
+                raise RuntimeError("a local rank of this trial failed (its error is above)")
+            sys.exit(1)
+    finally:
+        if _children and _in_sweep():
+            import torch.distributed as dist
+
+            if dist.is_initialized():  # else the next trial's Lightning would reuse this trial's group
+                dist.destroy_process_group()
+            os.environ.clear()  # LOCAL_RANK, WORLD_SIZE, MASTER_PORT of this trial
+            os.environ.update(environ)
+            _children.clear()
+            _reported.clear()
+
+
+def _trials_share_this_process() -> bool:
+    """A sweep whose trials Hydra's basic launcher runs one after another in this process."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return _in_sweep() and HydraConfig.get().launcher._target_.endswith(".BasicLauncher")
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
 
 
 def _free_port() -> int:
@@ -203,11 +234,16 @@ def _report_failed() -> bool:
     return bool(failed)
 
 
-def _watch_children() -> None:
+def _watch_children(children: list[subprocess.Popen], sweep: bool) -> None:
     """A local rank that fails ends the job within a second, exit code 1, even if this rank waits in a
-    collective that would only time out (Lightning's _ChildProcessObserver does the same with SIGKILL)."""
+    collective that would only time out (Lightning's _ChildProcessObserver does the same with SIGKILL).
+    In a sweep it ends only the trial: the other ranks are killed, and this rank's next collective fails
+    (gloo sees the closed peers) so that Hydra records the trial as failed and starts the next one."""
     while not _report_failed():
+        if all(p.poll() == 0 for p in children):  # the trial's ranks are done: a sweep's next trial has its own
+            return
         time.sleep(1)
     _kill_children()
     sys.stdout.flush()
-    os._exit(1)
+    if not sweep:
+        os._exit(1)
