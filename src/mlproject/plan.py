@@ -64,11 +64,12 @@ def fake_world(world_size: int, rank: int = 0):
 def meta_model(cfg: DictConfig):
     """The LightningModule of the config, on the meta device, in the dtype its precision stores weights in."""
     import torch
-    from hydra.utils import instantiate
+
+    from mlproject.build import instantiate_at
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
-        model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+        model = instantiate_at(cfg, "model", _convert_="all", _recursive_=False)  # a bad key: one line naming it
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(cfg.trainer.precision))
     return model.to(dtype) if dtype else model
 

@@ -114,16 +114,19 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
     if memory is None:
         return
     layout = f"strategy={topology.strategy}"
-    if topology.model_parallel:
-        # The estimate shards the meta model on a fake process group, whose meshes torch caches for the process:
-        # a forked child estimates, and this process's real group starts clean.
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+    try:
+        if topology.model_parallel:
+            # The estimate shards the meta model on a fake process group, whose meshes torch caches for the
+            # process: a forked child estimates, and this process's real group starts clean.
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-            row = pool.submit(largest, cfg, layout).result()
-    else:
-        row = largest(cfg, layout)
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                row = pool.submit(largest, cfg, layout).result()
+        else:
+            row = largest(cfg, layout)
+    except RuntimeError:  # data and model disagree: the first batch says so in one line (build.first_batch_fits)
+        return
     if row.total <= limit * memory:
         return
     from hydra.core.hydra_config import HydraConfig

@@ -65,7 +65,7 @@ class Experts(nn.Module):
     def _run(self, x: torch.Tensor, counts: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         # every expert's weights take part, with no rows too, so every rank's gradients have the same structure
         fc, proj = (_ScaleGrad.apply(_local(w), grad_scale) for w in (self.fc_weight, self.proj_weight))
-        autocast = torch.is_autocast_enabled(x.device.type)
+        autocast = not x.is_meta and torch.is_autocast_enabled(x.device.type)  # the planner (meta) has no autocast
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         if dtype == torch.bfloat16 and x.size(-1) % 8 == 0:  # grouped GEMMs take bf16 rows of 16-byte multiples
             # One grouped GEMM per layer over the experts' row blocks, delimited on the device: no host sync for
