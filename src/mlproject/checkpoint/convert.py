@@ -127,9 +127,11 @@ def run_config(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: bool = True) -> None:
-    """Write `{"state_dict", "config"}`: the weights of the LightningModule's attribute `module` (the bare
-    nn.Module) and the run's resolved config, as plain tensors and containers (torch.load weights_only=True).
-    With `ema` the EMA weights where the checkpoint has them (callbacks=ema), else the raw weights."""
+    """Write the weights of the LightningModule's attribute `module` (the bare nn.Module) and the run's
+    resolved config. `out` ending in .safetensors: a safetensors file, the config as JSON under the metadata
+    key "config"; else `{"state_dict", "config"}` as plain tensors and containers (torch.load
+    weights_only=True). With `ema` the EMA weights where the checkpoint has them (callbacks=ema), else the
+    raw weights. The file appears under its name only once complete."""
     import os
 
     from omegaconf import OmegaConf
@@ -144,8 +146,27 @@ def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: boo
     if config is None:  # a checkpoint written without RunState still has the model's hyperparameters
         config = {"model": OmegaConf.to_container(OmegaConf.create(dict(checkpoint["hyper_parameters"])))}
     tmp = f"{out}.tmp"
-    torch.save({"state_dict": state_dict, "config": config}, tmp)
+    if str(out).endswith(".safetensors"):
+        _save_safetensors(state_dict, config, tmp)
+    else:
+        torch.save({"state_dict": state_dict, "config": config}, tmp)
     os.replace(tmp, out)
+
+
+def _save_safetensors(state_dict: dict[str, torch.Tensor], config: dict[str, Any], path: str) -> None:
+    """safetensors refuses tensors that share memory (tied weights, views): each key gets its own copy, so
+    the file has the plain export's keys and loads with `load_state_dict` as it does."""
+    import json
+
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in state_dict.items():
+        storage = value.untyped_storage().data_ptr()
+        tensors[key] = value.contiguous() if storage not in seen else value.clone()
+        seen.add(storage)
+    save_file(tensors, path, metadata={"config": json.dumps(config)})
 
 
 def name_optimizer_states(checkpoint: dict[str, Any], orders: list[list[list[str]]]) -> dict[str, Any]:
