@@ -15,18 +15,24 @@ import torch
 from mlproject.core.errors import CheckpointError
 
 
+def is_remote(path: str | Path) -> bool:
+    """An fsspec URL other than a local file (s3://bucket/key, gs://..., memory://...)."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
 def checkpoint_format(path: str | Path) -> str:
     """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
+    if is_remote(path):  # object storage holds single files only (ModelCheckpoint.setup)
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(str(path))
+        if not fs.isfile(str(path)):
+            raise CheckpointError(f"{path} does not exist (or is not a single-file checkpoint)")
+        with fs.open(str(path), "rb") as f:
+            return _check_zip(path, f)
     path = Path(path)
     if path.is_file():
-        try:  # torch.save writes a zip: a truncated file has no central directory, a damaged one a bad CRC
-            with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip()
-        except (zipfile.BadZipFile, OSError) as exc:
-            raise CheckpointError(f"{path} is not a readable checkpoint ({exc}); it is truncated or damaged") from None
-        if bad is not None:
-            raise CheckpointError(f"{path} is damaged (bad CRC in {bad})")
-        return "file"
+        return _check_zip(path, path)
     if (path / "meta.pt").is_file() and (path / ".metadata").is_file():
         return "sharded"
     if (path / "latest").is_file():
@@ -34,6 +40,18 @@ def checkpoint_format(path: str | Path) -> str:
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory but not a complete sharded or DeepSpeed checkpoint")
     raise CheckpointError(f"{path} does not exist")
+
+
+def _check_zip(path, source) -> str:
+    """'file' if `source` (a path or an open file) is a complete torch.save zip, else a clear error."""
+    try:  # torch.save writes a zip: a truncated file has no central directory, a damaged one a bad CRC
+        with zipfile.ZipFile(source) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({exc}); it is truncated or damaged") from None
+    if bad is not None:
+        raise CheckpointError(f"{path} is damaged (bad CRC in {bad})")
+    return "file"
 
 
 def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +110,14 @@ def deepspeed_checkpoint(shards, full: bool = True) -> dict[str, Any]:
 
 
 def load_full(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at `path` as a Lightning checkpoint dict on the CPU, with full (unsharded) tensors."""
+    """The checkpoint at `path` (a local path or an fsspec URL) as a Lightning checkpoint dict on the CPU,
+    with full (unsharded) tensors."""
+    if is_remote(path):
+        import fsspec
+
+        checkpoint_format(path)
+        with fsspec.open(str(path), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
     path = Path(path)
     fmt = checkpoint_format(path)
     if fmt == "file":

@@ -15,8 +15,9 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
+from mlproject.checkpoint.convert import is_remote
 from mlproject.core.errors import CheckpointError
 from mlproject.utils.rank_logging import get_logger
 
@@ -26,11 +27,20 @@ log = get_logger(__name__)
 def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Move a checkpoint file or directory `src` to `dst`, replacing what is there.
 
+    In object storage (an fsspec URL) the move is a copy then a delete: the object under `dst` changes
+    only once the copy is complete, so readers see the old checkpoint or the new one, never a part.
+
     A file replaces a file in one atomic rename. rename(2) cannot replace a non-empty directory, so an
     existing `dst` is moved aside to `<dst>.old` first and deleted after; a crash between the two renames
     leaves `<dst>.old`, which `resolve_ckpt_path` resumes from.
     """
     src, dst = str(src), str(dst)
+    if is_remote(dst):
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(dst)
+        fs.mv(src, dst)
+        return
     old = dst + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.isdir(dst) or (os.path.isdir(src) and os.path.exists(dst)):
@@ -101,6 +111,16 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        single_file = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+        if (
+            self.dirpath
+            and is_remote(self.dirpath)
+            and (isinstance(trainer.strategy, DeepSpeedStrategy) or not single_file)
+        ):
+            raise CheckpointError(
+                f"checkpoints in object storage ({self.dirpath}) are written by strategy=single or ddp only "
+                "for now; use a local or mounted directory for sharded and DeepSpeed checkpoints"
+            )
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             if isinstance(trainer.strategy, DeepSpeedStrategy):
                 raise CheckpointError(
@@ -108,6 +128,13 @@ class ModelCheckpoint(LightningModelCheckpoint):
                     "(DeepSpeed writes its own checkpoints); set it to false"
                 )
             trainer.strategy.checkpoint_io = AsyncCheckpointIO(trainer.strategy.checkpoint_io)
+
+    def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
+        # Lightning keeps the checkpoint a run resumed from on a local disk only; in object storage it
+        # deletes it (Lightning issue 21813): a resumed run's retention must leave its source in place.
+        if is_remote(previous):
+            return previous != current and previous != trainer.ckpt_path and previous.startswith(f"{self.dirpath}/")
+        return super()._should_remove_checkpoint(trainer, previous, current)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         # Lightning's ModelParallelStrategy.teardown never calls its CheckpointIO's: flush here, on every rank
