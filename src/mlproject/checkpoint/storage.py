@@ -1,4 +1,5 @@
-"""Atomic checkpoint writes, and reading any checkpoint this template writes under any strategy."""
+"""Atomic checkpoint writes (in the loop or on a writer thread, on disk or in object storage), and reading any
+checkpoint this template writes under any strategy."""
 
 from __future__ import annotations
 
