@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from mlproject.checkpoint.convert import is_remote
 from mlproject.core.errors import CheckpointError
@@ -105,7 +105,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
-    def __init__(self, *args, async_save: bool = False, **kwargs):
+    def __init__(self, *args, async_save: bool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.async_save = async_save
         self.blocked_s: list[float] = []  # seconds each save of this stage held the training loop (logged at its end)
@@ -122,6 +122,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 f"checkpoints in object storage ({self.dirpath}) are written by strategy=single or ddp only "
                 "for now; use a local or mounted directory for sharded and DeepSpeed checkpoints"
             )
+        if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, tp, pp)
+            self.async_save = isinstance(trainer.strategy, ModelParallelStrategy)
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             if isinstance(trainer.strategy, DeepSpeedStrategy):
                 raise CheckpointError(
