@@ -214,14 +214,15 @@ class AsyncCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         self.then(self.io.save_checkpoint, snapshot(checkpoint), path, storage_options)
 
-    def save_sharded(self, state: dict[str, Any], path: Path) -> None:
+    def save_sharded(self, state: dict[str, Any], path: Path, timeout=None) -> None:
         """torch.distributed.checkpoint.async_save of `state` into directory `path` (every rank): it copies
         this rank's shards to the CPU and returns; the writer thread waits for the write."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         if self._group is None:  # every rank saves, so every rank creates it, in the same order
-            self._group = dist.new_group(backend="gloo")
+            # the strategy's timeout: a peer that died mid-save fails the write then, not after gloo's 30 min
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
         result = dcp.async_save(state, checkpoint_id=path, process_group=self._group)
         done = getattr(result, "upload_completion", result)  # newer torch answers an AsyncSaveResponse
         self.then(done.result)

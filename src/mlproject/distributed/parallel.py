@@ -105,7 +105,7 @@ class ModelParallel(ModelParallelStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.global_rank == 0:  # what Lightning writes beside the shards (loops, callbacks, schedulers)
             torch.save(checkpoint, path / "meta.pt")
-        self.checkpoint_io.save_sharded(state, path)
+        self.checkpoint_io.save_sharded(state, path, self._timeout)
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
