@@ -8,6 +8,17 @@ resolved config>}` that needs neither Lightning nor this package to read:
     net = hydra.utils.instantiate(ckpt["config"]["model"]["net"])
     net.load_state_dict(ckpt["state_dict"])
 
+`out=model.safetensors` writes a safetensors file instead, with the same keys and the config as JSON in its
+metadata:
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open("model.safetensors", "pt") as f:
+        config = json.loads(f.metadata()["config"])
+    net = hydra.utils.instantiate(config["model"]["net"])
+    net.load_state_dict(load_file("model.safetensors"))
+
 The weights are the EMA where the run kept one (callbacks=ema): the weights it validated; `ema=false`
 exports the raw ones.
 """

@@ -157,7 +157,8 @@ def preflight(cfg: DictConfig) -> Topology:
     topology.validate()
     check_model_parallel(cfg, topology)
     ckpt = cfg.get("ckpt_path")
-    if ckpt and ckpt != "auto" and not Path(ckpt).exists():
+    # a URL (s3://...) is checked where it is read: checkpoint.resume.resolve_ckpt_path
+    if ckpt and ckpt != "auto" and "://" not in str(ckpt) and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
     check_launch(cfg, topology)
     check_deepspeed(cfg, topology)

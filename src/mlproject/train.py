@@ -51,7 +51,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # 3. fit, then test the best checkpoint
     if cfg.train:
         with first_batch_fits(cfg, trainer):
-            ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir)
+            ckpt_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
+            ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.output_dir, ckpt_dir)
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = dict(trainer.callback_metrics)
     best, why = checkpoint_to_test(trainer)

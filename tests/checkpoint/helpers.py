@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -13,8 +14,10 @@ import torch
 from mlproject.checkpoint.convert import load_full
 from tests.helpers.processes import run
 
-# 3 epochs of 19 optimizer steps on the digits data, fp32 on the CPU
+# 3 epochs of 19 optimizer steps on the digits data, fp32 on the CPU. MLPROJECT_TEST_ASYNC_SAVE=1 runs every
+# proof that trains through `train` with asynchronous saves (callbacks.model_checkpoint.async_save=true).
 BASE = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=3", "logger=csv"]
+ASYNC = ["callbacks.model_checkpoint.async_save=true"] if os.environ.get("MLPROJECT_TEST_ASYNC_SAVE") == "1" else []
 STEPS_PER_EPOCH = 19
 
 
@@ -35,6 +38,8 @@ def kill_at(step: int, rank: int | None = None, stamp: Path | None = None) -> li
 def train(log_dir: Path, run_id: str, *overrides: str, test: bool = False, check: bool = True, timeout: int = 600):
     """A real `python -m mlproject.train` run (its test stage only if `test`)."""
     overrides = (*BASE, f"run_id={run_id}", f"test={str(test).lower()}", *overrides)
+    if ASYNC and "callbacks=none" not in overrides:
+        overrides = (*overrides, *ASYNC)
     return run("train", *overrides, log_dir=log_dir, check=check, timeout=timeout)
 
 
@@ -70,8 +75,9 @@ def epoch_metrics(run: Path, prefix: tuple[str, ...] | str = ("val/", "train/acc
 
 def assert_export_matches(ckpt: Path, out: Path, x: torch.Tensor) -> None:
     """The exported file loads with weights_only=True into the bare network, which predicts exactly what
-    the LightningModule rebuilt from the checkpoint predicts."""
+    the LightningModule rebuilt from the checkpoint predicts; the safetensors export holds the same tensors."""
     from hydra.utils import get_class, instantiate
+    from safetensors.torch import load_file
 
     from mlproject.checkpoint.convert import export, load_module
 
@@ -82,6 +88,8 @@ def assert_export_matches(ckpt: Path, out: Path, x: torch.Tensor) -> None:
     module = load_module(get_class(exported["config"]["model"]["_target_"]), ckpt)
     with torch.no_grad():
         assert torch.equal(net.eval()(x), module.eval()(x))
+    export(ckpt, out.with_suffix(".safetensors"))
+    assert_bitwise(load_file(out.with_suffix(".safetensors")), exported["state_dict"])
 
 
 def wait_until_gone(marker: str, timeout: float) -> float:

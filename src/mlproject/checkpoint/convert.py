@@ -15,18 +15,24 @@ import torch
 from mlproject.core.errors import CheckpointError
 
 
+def is_remote(path: str | Path) -> bool:
+    """An fsspec URL other than a local file (s3://bucket/key, gs://..., memory://...)."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
 def checkpoint_format(path: str | Path) -> str:
     """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
+    if is_remote(path):  # object storage holds single files only (ModelCheckpoint.setup)
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(str(path))
+        if not fs.isfile(str(path)):
+            raise CheckpointError(f"{path} does not exist (or is not a single-file checkpoint)")
+        with fs.open(str(path), "rb") as f:
+            return _check_zip(path, f)
     path = Path(path)
     if path.is_file():
-        try:  # torch.save writes a zip: a truncated file has no central directory, a damaged one a bad CRC
-            with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip()
-        except (zipfile.BadZipFile, OSError) as exc:
-            raise CheckpointError(f"{path} is not a readable checkpoint ({exc}); it is truncated or damaged") from None
-        if bad is not None:
-            raise CheckpointError(f"{path} is damaged (bad CRC in {bad})")
-        return "file"
+        return _check_zip(path, path)
     if (path / "meta.pt").is_file() and (path / ".metadata").is_file():
         return "sharded"
     if (path / "latest").is_file():
@@ -34,6 +40,18 @@ def checkpoint_format(path: str | Path) -> str:
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory but not a complete sharded or DeepSpeed checkpoint")
     raise CheckpointError(f"{path} does not exist")
+
+
+def _check_zip(path, source) -> str:
+    """'file' if `source` (a path or an open file) is a complete torch.save zip, else a clear error."""
+    try:  # torch.save writes a zip: a truncated file has no central directory, a damaged one a bad CRC
+        with zipfile.ZipFile(source) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({exc}); it is truncated or damaged") from None
+    if bad is not None:
+        raise CheckpointError(f"{path} is damaged (bad CRC in {bad})")
+    return "file"
 
 
 def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +110,14 @@ def deepspeed_checkpoint(shards, full: bool = True) -> dict[str, Any]:
 
 
 def load_full(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at `path` as a Lightning checkpoint dict on the CPU, with full (unsharded) tensors."""
+    """The checkpoint at `path` (a local path or an fsspec URL) as a Lightning checkpoint dict on the CPU,
+    with full (unsharded) tensors."""
+    if is_remote(path):
+        import fsspec
+
+        checkpoint_format(path)
+        with fsspec.open(str(path), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
     path = Path(path)
     fmt = checkpoint_format(path)
     if fmt == "file":
@@ -127,9 +152,11 @@ def run_config(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: bool = True) -> None:
-    """Write `{"state_dict", "config"}`: the weights of the LightningModule's attribute `module` (the bare
-    nn.Module) and the run's resolved config, as plain tensors and containers (torch.load weights_only=True).
-    With `ema` the EMA weights where the checkpoint has them (callbacks=ema), else the raw weights."""
+    """Write the weights of the LightningModule's attribute `module` (the bare nn.Module) and the run's
+    resolved config. `out` ending in .safetensors: a safetensors file, the config as JSON under the metadata
+    key "config"; else `{"state_dict", "config"}` as plain tensors and containers (torch.load
+    weights_only=True). With `ema` the EMA weights where the checkpoint has them (callbacks=ema), else the
+    raw weights. The file appears under its name only once complete."""
     import os
 
     from omegaconf import OmegaConf
@@ -144,8 +171,27 @@ def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: boo
     if config is None:  # a checkpoint written without RunState still has the model's hyperparameters
         config = {"model": OmegaConf.to_container(OmegaConf.create(dict(checkpoint["hyper_parameters"])))}
     tmp = f"{out}.tmp"
-    torch.save({"state_dict": state_dict, "config": config}, tmp)
+    if str(out).endswith(".safetensors"):
+        _save_safetensors(state_dict, config, tmp)
+    else:
+        torch.save({"state_dict": state_dict, "config": config}, tmp)
     os.replace(tmp, out)
+
+
+def _save_safetensors(state_dict: dict[str, torch.Tensor], config: dict[str, Any], path: str) -> None:
+    """safetensors refuses tensors that share memory (tied weights, views): each key gets its own copy, so
+    the file has the plain export's keys and loads with `load_state_dict` as it does."""
+    import json
+
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in state_dict.items():
+        storage = value.untyped_storage().data_ptr()
+        tensors[key] = value.contiguous() if storage not in seen else value.clone()
+        seen.add(storage)
+    save_file(tensors, path, metadata={"config": json.dumps(config)})
 
 
 def name_optimizer_states(checkpoint: dict[str, Any], orders: list[list[list[str]]]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ class LastCheckpoint(ModelCheckpoint):
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
         enable_version_counter: bool = False,
+        async_save: bool | None = None,
     ):
         super().__init__(
             dirpath=dirpath,
@@ -25,6 +26,7 @@ class LastCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_train_steps,
             every_n_epochs=every_n_epochs,
             enable_version_counter=enable_version_counter,
+            async_save=async_save,
         )
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

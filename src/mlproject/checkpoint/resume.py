@@ -7,12 +7,18 @@ import os
 from pathlib import Path
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path) -> str | None:
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path, ckpt_dir: str | None = None) -> str | None:
     """`auto`: this run's checkpoints/last.ckpt when it exists (a re-run or requeue of the same run_id),
-    else start fresh. Any other value is an explicit path. Either way a damaged checkpoint stops here with
-    a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
-    from mlproject.checkpoint.convert import checkpoint_format
+    else start fresh; `ckpt_dir` (the checkpoint callback's dirpath, which may be an fsspec URL) replaces
+    `<run_dir>/checkpoints`. Any other value is an explicit path. Either way a damaged checkpoint stops here
+    with a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
+    from mlproject.checkpoint.convert import checkpoint_format, is_remote
 
+    if ckpt_path == "auto" and ckpt_dir and is_remote(ckpt_dir):
+        from fsspec.core import url_to_fs
+
+        last = f"{ckpt_dir.rstrip('/')}/last.ckpt"
+        ckpt_path = last if url_to_fs(last)[0].exists(last) else None
     if ckpt_path == "auto":
         last = Path(run_dir) / "checkpoints" / "last.ckpt"
         aside = Path(f"{last}.old")  # a crash between the two renames of a directory save (checkpoint/storage.py)

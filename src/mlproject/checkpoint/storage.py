@@ -1,25 +1,47 @@
-"""Atomic checkpoint writes, and reading any checkpoint this template writes under any strategy."""
+"""Atomic checkpoint writes (in the loop or on a writer thread, on disk or in object storage), and reading any
+checkpoint this template writes under any strategy."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 from weakref import proxy
 
 import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+from mlproject.checkpoint.convert import is_remote
+from mlproject.core.errors import CheckpointError
+from mlproject.utils.rank_logging import get_logger
+
+log = get_logger(__name__)
 
 
 def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Move a checkpoint file or directory `src` to `dst`, replacing what is there.
+
+    In object storage (an fsspec URL) the move is a copy then a delete: the object under `dst` changes
+    only once the copy is complete, so readers see the old checkpoint or the new one, never a part.
 
     A file replaces a file in one atomic rename. rename(2) cannot replace a non-empty directory, so an
     existing `dst` is moved aside to `<dst>.old` first and deleted after; a crash between the two renames
     leaves `<dst>.old`, which `resolve_ckpt_path` resumes from.
     """
     src, dst = str(src), str(dst)
+    if is_remote(dst):
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(dst)
+        fs.mv(src, dst)
+        return
     old = dst + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.isdir(dst) or (os.path.isdir(src) and os.path.exists(dst)):
@@ -31,14 +53,29 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
         os.remove(old)
 
 
-def save_atomically(trainer, path: str | Path, weights_only: bool = False) -> None:
+def save_atomically(trainer, path: str | Path, weights_only: bool = False, background: bool = False) -> None:
     """`trainer.save_checkpoint` under `<path>.tmp`, renamed into place by rank 0 once every rank has written
-    (its shard); the previous checkpoint at `path` stays loadable until then. Called on every rank."""
+    (its shard); the previous checkpoint at `path` stays loadable until then. Called on every rank.
+
+    With an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) and `background`, this returns once
+    the state is copied: the write and then the rename go on in a background thread. A save first waits for
+    the one in flight, so at most one is. Without `background` (a SIGTERM's save) it returns once written."""
+    io = trainer.strategy.checkpoint_io
+    writer = io if isinstance(io, AsyncCheckpointIO) else None
+    if writer:
+        writer.wait()  # the previous save, write and rename, is complete on this rank
     tmp = f"{path}.tmp"
     trainer.strategy.remove_checkpoint(tmp)  # the leftover of a save that was killed
+    if writer:
+        writer.wait()  # removed before any rank writes into it
     trainer.strategy.barrier("checkpoint_tmp_removed")
     trainer.save_checkpoint(tmp, weights_only)  # every rank; ends with a barrier
-    if trainer.is_global_zero:
+    if writer:
+        if trainer.is_global_zero:  # after the write, on the writer's thread; skipped if the write failed
+            writer.then(replace_checkpoint, tmp, path)
+        if not background:
+            writer.wait()
+    elif trainer.is_global_zero:
         replace_checkpoint(tmp, path)
     trainer.strategy.barrier("checkpoint_renamed")
 
@@ -68,13 +105,140 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def __init__(self, *args, async_save: bool | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.async_save = async_save
+        self.blocked_s: list[float] = []  # seconds each save of this stage held the training loop (logged at its end)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        single_file = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+        if (
+            self.dirpath
+            and is_remote(self.dirpath)
+            and (isinstance(trainer.strategy, DeepSpeedStrategy) or not single_file)
+        ):
+            raise CheckpointError(
+                f"checkpoints in object storage ({self.dirpath}) are written by strategy=single or ddp only "
+                "for now; use a local or mounted directory for sharded and DeepSpeed checkpoints"
+            )
+        if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, tp, pp)
+            self.async_save = isinstance(trainer.strategy, ModelParallelStrategy)
+        if self.async_save and not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            if isinstance(trainer.strategy, DeepSpeedStrategy):
+                raise CheckpointError(
+                    "callbacks.model_checkpoint.async_save=true is not supported under deepspeed "
+                    "(DeepSpeed writes its own checkpoints); set it to false"
+                )
+            trainer.strategy.checkpoint_io = AsyncCheckpointIO(trainer.strategy.checkpoint_io)
+
+    def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
+        # Lightning keeps the checkpoint a run resumed from on a local disk only; in object storage it
+        # deletes it (Lightning issue 21813): a resumed run's retention must leave its source in place.
+        if is_remote(previous):
+            return previous != current and previous != trainer.ckpt_path and previous.startswith(f"{self.dirpath}/")
+        return super()._should_remove_checkpoint(trainer, previous, current)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        # Lightning's ModelParallelStrategy.teardown never calls its CheckpointIO's: flush here, on every rank
+        if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            trainer.strategy.checkpoint_io.wait()
+        super().teardown(trainer, pl_module, stage)
+        if self.blocked_s:
+            blocked = sorted(self.blocked_s)
+            log.info(
+                f"{len(blocked)} checkpoint save(s) ({'async' if self.async_save else 'sync'}) held training "
+                f"{blocked[len(blocked) // 2] * 1000:.0f} ms each (median), {sum(blocked):.2f} s in all"
+            )
+            self.blocked_s = []
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        save_atomically(trainer, filepath, self.save_weights_only)
+        start = time.perf_counter()
+        save_atomically(trainer, filepath, self.save_weights_only, background=self.async_save)
+        self.blocked_s.append(time.perf_counter() - start)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+
+def snapshot(obj: Any, storages: dict | None = None) -> Any:
+    """A copy of a checkpoint on the CPU that training can no longer change: each tensor's storage copied
+    once, so tensors that shared memory (tied weights) still share it, as `torch.save` records them."""
+    storages = {} if storages is None else storages
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
+        if key not in storages:
+            storages[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        return torch.empty(0, dtype=obj.dtype).set_(storages[key], obj.storage_offset(), obj.size(), obj.stride())
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v, storages)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(snapshot(v, storages) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class AsyncCheckpointIO(CheckpointIO):
+    """Writes checkpoints on one background thread: `save_checkpoint` copies the state (`snapshot`; DCP's
+    `async_save` stages its shards itself) and returns; the write, and whatever `then` queues after it (the
+    rename into place, retention's removals), run in order on the thread. `wait` blocks until all of it is
+    done and raises the first error; Lightning's Strategy.teardown calls `teardown`, which waits, so the run
+    never exits (or is requeued) with a save in flight. Lightning's own AsyncCheckpointIO keeps no order
+    between a write and a removal and cannot take a DCP save."""
+
+    def __init__(self, io: CheckpointIO):
+        super().__init__()
+        self.io = io
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._last: Future | None = None
+        self._group = None  # a gloo group of its own for DCP's collectives on the writer thread
+
+    def then(self, fn, *args) -> None:
+        """Run `fn(*args)` on the writer thread after what is queued, unless that failed."""
+        before = self._last
+
+        def job():
+            if before is not None:
+                before.result()
+            fn(*args)
+
+        self._last = self._pool.submit(job)
+
+    def wait(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.then(self.io.save_checkpoint, snapshot(checkpoint), path, storage_options)
+
+    def save_sharded(self, state: dict[str, Any], path: Path, timeout=None) -> None:
+        """torch.distributed.checkpoint.async_save of `state` into directory `path` (every rank): it copies
+        this rank's shards to the CPU and returns; the writer thread waits for the write."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self._group is None:  # every rank saves, so every rank creates it, in the same order
+            # the strategy's timeout: a peer that died mid-save fails the write then, not after gloo's 30 min
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        result = dcp.async_save(state, checkpoint_id=path, process_group=self._group)
+        done = getattr(result, "upload_completion", result)  # newer torch answers an AsyncSaveResponse
+        self.then(done.result)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        self.wait()
+        return self.io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path) -> None:
+        self.then(self.io.remove_checkpoint, path)  # never before the save queued ahead of it is in place
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.io.teardown()
 
 
 class PortableCheckpointIO(TorchCheckpointIO):

@@ -268,15 +268,15 @@ class Signals(L.Callback):
         if any(agreed[signum] for signum in self.received):
             self.leave(trainer, agreed, self.save(trainer))
 
-    def leave(self, trainer: L.Trainer, agreed: dict, saved: Path) -> None:
+    def leave(self, trainer: L.Trainer, agreed: dict, saved: str) -> None:
         log.info(f"SIGTERM: saved {saved} at step {trainer.global_step}; exiting with code {EXIT_SIGTERM}")
         raise SIGTERMException(EXIT_SIGTERM)  # on every rank at this step; Lightning ends the run
 
-    def save(self, trainer: L.Trainer) -> Path:
+    def save(self, trainer: L.Trainer) -> str:
         """Write last.ckpt where `ckpt_path=auto` looks (the checkpoint callback's directory), atomically."""
         ckpt = trainer.checkpoint_callback
         folder = ckpt.dirpath if ckpt and ckpt.dirpath else Path(trainer.default_root_dir) / "checkpoints"
-        path = Path(folder) / "last.ckpt"
+        path = f"{folder}/last.ckpt"  # folder may be an fsspec URL (s3://...), which Path would mangle
         save_atomically(trainer, path)
         return path
 
@@ -298,7 +298,7 @@ class Requeue(Signals):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         signal.signal(self.signum, self._previous or signal.SIG_DFL)
 
-    def leave(self, trainer: L.Trainer, agreed: dict, saved: Path) -> None:
+    def leave(self, trainer: L.Trainer, agreed: dict, saved: str) -> None:
         # SIGTERM ends the job (scancel, the time limit) unless SLURM is preempting it (module docstring).
         job = os.environ.get("SLURM_JOB_ID")  # the same on every rank: all or none join the broadcast
         preempting = job is not None and trainer.strategy.broadcast(trainer.is_global_zero and preempted(job))

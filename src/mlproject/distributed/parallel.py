@@ -85,6 +85,21 @@ class ModelParallel(ModelParallelStrategy):
             self.pipeline_parallel_size,
         )
 
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Lightning's, except that with an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) the
+        shards go to torch.distributed.checkpoint.async_save: the loop waits for their copy, not their write."""
+        from mlproject.checkpoint.storage import AsyncCheckpointIO
+
+        if not (self._save_distributed_checkpoint and isinstance(self.checkpoint_io, AsyncCheckpointIO)):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.global_rank == 0:  # what Lightning writes beside the shards (loops, callbacks, schedulers)
+            torch.save(checkpoint, path / "meta.pt")
+        self.checkpoint_io.save_sharded(state, path, self._timeout)
+
     @property
     def distributed_sampler_kwargs(self) -> dict:
         dp = self.meshes["data_parallel"]

@@ -1,0 +1,108 @@
+"""Checkpoints in object storage: a real S3 HTTP endpoint (moto's standalone server on 127.0.0.1, started
+here), the real s3fs client, the endpoint given the standard way (AWS_ENDPOINT_URL) and credentials only
+from the environment. A run saving into s3://, SIGKILLed, resumes with ckpt_path=auto bitwise; a resumed
+run's retention leaves the checkpoint it resumed from (Lightning issue 21813)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from mlproject.checkpoint.convert import export, load_full
+from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, strategy, train, weights
+from tests.helpers.processes import free_port, together
+
+BUCKET = "ckpts"
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """moto's server on a free port of 127.0.0.1 with one bucket; the environment every child run inherits."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(300):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        for key, value in {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            monkeypatch.setenv(key, value)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        yield fs
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def net_weights(state_dict: dict) -> dict:
+    return {k.removeprefix("net."): v for k, v in state_dict.items() if k.startswith("net.")}
+
+
+def ckpt_dir(name: str) -> list[str]:
+    return [f"paths.ckpt_dir=s3://{BUCKET}/{name}"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_s3_checkpoints_resume_bitwise_under_single_and_ddp(s3, tmp_path):
+    every_7 = ["callbacks.model_checkpoint.every_n_train_steps=7"]
+    single, ddp = strategy("single"), strategy("ddp", 2)
+
+    def killed(setup, name, rank):
+        # killed at step 47: the last checkpoint (step 42) lives only in the bucket
+        proc = train(
+            tmp_path, name, *setup, *every_7, *ckpt_dir(name), "ckpt_path=auto", *kill_at(47, rank), check=False
+        )
+        assert proc.returncode != 0
+        assert load_full(f"s3://{BUCKET}/{name}/last.ckpt")["global_step"] == 42
+        train(tmp_path, name, *setup, *every_7, *ckpt_dir(name), "ckpt_path=auto")
+
+    together(
+        lambda: train(tmp_path, "straight", *single),
+        lambda: train(tmp_path, "straight_ddp", *ddp),
+        lambda: killed(single, "single", None),
+        lambda: killed(ddp, "ddp", 0),
+    )
+    for straight, name in (("straight", "single"), ("straight_ddp", "ddp")):
+        want = weights(run_dir(tmp_path, straight) / "checkpoints" / "last.ckpt")
+        assert_bitwise(want, load_full(f"s3://{BUCKET}/{name}/last.ckpt")["state_dict"])
+        assert not s3.exists(f"{BUCKET}/{name}/last.ckpt.tmp")
+    # export reads the bucket too
+    export(f"s3://{BUCKET}/single/last.ckpt", tmp_path / "model.safetensors")
+    straight = weights(run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt")
+    assert_bitwise(load_file(tmp_path / "model.safetensors"), net_weights(straight))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_s3_retention_keeps_the_checkpoint_a_run_resumed_from(s3, tmp_path):
+    """Keep only the newest checkpoint (monitor=null, save_top_k=1). A run resumed from epoch 0's checkpoint
+    writes epoch 1's and 2's, each removing the one before, but never its source (Lightning removes it in
+    object storage: issue 21813)."""
+    single = strategy("single")
+    keep_one = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1"]
+    train(tmp_path, "source", *single, *keep_one, *ckpt_dir("ret"), "trainer.max_epochs=1")
+    source = f"s3://{BUCKET}/ret/epoch_000.ckpt"
+    assert s3.exists(source)
+    train(tmp_path, "resumed", *single, *keep_one, *ckpt_dir("ret"), f"ckpt_path={source}")
+    assert s3.exists(source), "retention deleted the checkpoint the run resumed from"
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/ret"))
+    assert names == ["epoch_000.ckpt", "epoch_002.ckpt", "last.ckpt"], names
