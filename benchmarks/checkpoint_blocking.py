@@ -27,7 +27,7 @@ COMMON = [
     "+trainer.limit_val_batches=1",
     "data.batch_size=8",
     "data.block_size=64",
-    "callbacks.model_checkpoint.every_n_train_steps=2",
+    "callbacks.last_checkpoint.every_n_train_steps=2",
 ]
 LINE = re.compile(r"(\d+) checkpoint save\(s\) \((\w+)\) held training (\d+) ms each \(median\), ([\d.]+) s in all")
 

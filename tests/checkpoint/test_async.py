@@ -23,7 +23,7 @@ from tests.checkpoint.helpers import (
 )
 from tests.helpers.processes import together
 
-ASYNC_EVERY_STEP = ["callbacks.model_checkpoint.async_save=true", "callbacks.model_checkpoint.every_n_train_steps=1"]
+ASYNC_EVERY_STEP = ["callbacks.model_checkpoint.async_save=true", "callbacks.last_checkpoint.every_n_train_steps=1"]
 
 
 class GatedIO(TorchCheckpointIO):

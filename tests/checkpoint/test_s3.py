@@ -63,7 +63,7 @@ def ckpt_dir(name: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_s3_checkpoints_resume_bitwise_under_single_and_ddp(s3, tmp_path):
-    every_7 = ["callbacks.model_checkpoint.every_n_train_steps=7"]
+    every_7 = ["callbacks.last_checkpoint.every_n_train_steps=7"]
     single, ddp = strategy("single"), strategy("ddp", 2)
 
     def killed(setup, name, rank):
