@@ -15,10 +15,9 @@ from mlproject.core.constants import PAD
 from mlproject.distributed.parallel import parallelize
 from mlproject.models.metrics import ClassificationMetrics
 from mlproject.models.optim import configure
-from mlproject.utils.hot_path import LeanModule
 
 
-class Classifier(LeanModule, L.LightningModule):
+class Classifier(L.LightningModule):
     def __init__(self, net: dict, num_classes: int, optimizer: dict, scheduler: dict, compile: bool = False):
         super().__init__()
         self.save_hyperparameters()

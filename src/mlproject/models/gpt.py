@@ -19,14 +19,13 @@ from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, paral
 from mlproject.distributed.pipeline import Pipeline
 from mlproject.models.metrics import LanguageModelMetrics
 from mlproject.models.optim import configure
-from mlproject.utils.hot_path import LeanModule
 
 
 def next_token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
 
 
-class GPTModule(LeanModule, L.LightningModule):
+class GPTModule(L.LightningModule):
     pipeline: Pipeline | None = None  # set by parallelize under pipeline parallelism
 
     def __init__(
