@@ -130,7 +130,7 @@ def plain_worker(
 
     cfg = config(overrides)
     from mlproject.distributed.parallel import apply_compile
-    from mlproject.models.optim import adamw, warmup_cosine
+    from mlproject.training.optim import adamw, warmup_cosine
 
     cuda = device == "cuda"
     if cuda:
