@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from mlproject.training.optim import warmup_cosine
 
 from mlproject.train import train
+from mlproject.training.optim import warmup_cosine
 
 LRS: list[float] = []  # what RecordLR saw in the last in-process run
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from mlproject.training.optim import adamw, effective_batch, scaled_lr
 
 from mlproject.core.errors import ConfigError
+from mlproject.training.optim import adamw, effective_batch, scaled_lr
 from tests.helpers.gpu import requires_gpu
 
 

@@ -11,12 +11,12 @@ from lightning.pytorch.callbacks import Callback
 from tests.checkpoint.helpers import max_diff
 
 # Runs on different world sizes differ by the order of their fp32 reductions only (no dropout, BatchNorm
-# synced, no augmentation (its streams are drawn per batch of a rank)): ~1e-7 relative per value. Measured after 10 steps: 4.8e-7 on
-# the images (a BatchNorm running_var of 2.3: 2 ulps) and 1.9e-6 on the tokens, all of it in attention's key
-# bias, whose true gradient is 0 (softmax ignores what is added to every key), so that AdamW's update
-# m / (sqrt(v) + eps) follows rounding alone; every other parameter within 1e-7. A wrong data position (one
-# batch skipped at the resume) moves them by 8.5e-4 (tokens) and 0.27 (images). CLOSE is 10x the one, 1/40 the
-# other.
+# synced, no augmentation: its streams are drawn per batch of a rank): ~1e-7 relative per value. Measured
+# after 10 steps: 4.8e-7 on the images (a BatchNorm running_var of 2.3: 2 ulps) and 1.9e-6 on the tokens, all
+# of it in attention's key bias, whose true gradient is 0 (softmax ignores what is added to every key), so
+# that AdamW's update m / (sqrt(v) + eps) follows rounding alone; every other parameter within 1e-7. A wrong
+# data position (one batch skipped at the resume) moves them by 8.5e-4 (tokens) and 0.27 (images). CLOSE is
+# 10x the one, 1/40 the other.
 CLOSE = 2e-5
 
 

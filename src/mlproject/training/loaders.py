@@ -172,8 +172,8 @@ def data_parallel(trainer) -> tuple[int, int]:
 
 def with_samplers(loader, train: bool, trainer):
     """`loader` made anew with the template's sampler (see the module's docstring)."""
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-        return loader
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, (IterableDataset, Seeded)):
+        return loader  # Seeded: made here already (a predict_dataloader that returns test_dataloader())
     if loader.batch_size is None:
         raise ConfigError(
             f"a DataLoader of {type(loader.dataset).__name__} has its own batch_sampler; give it batch_size= "
