@@ -12,12 +12,14 @@ A model without a plan is sharded as one FSDP unit.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 
@@ -91,6 +93,10 @@ class ModelParallel(ModelParallelStrategy):
         super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
         self.meshes = named_meshes(self.topology, self.root_device.type)
         self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
+        module = self.lightning_module
+        if not is_overridden("configure_model", module):
+            # a plain module, without a plan (on the instance, where Lightning looks for the hook)
+            module.configure_model = functools.partial(parallelize_children, module)
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
@@ -362,6 +368,14 @@ def parallelize(
     for metric in pl_module.modules():
         if isinstance(metric, Metric):
             metric.process_group = meshes["metrics"].get_group()
+
+
+def parallelize_children(pl_module) -> None:
+    """configure_model of a module that has none: each child with parameters is one FSDP unit (a step calls the
+    children, never the module itself, whose forward would gather a whole-module unit)."""
+    for child in pl_module.children():
+        if next(child.parameters(), None) is not None:
+            parallelize(pl_module, child)
 
 
 def set_batch_group(net: nn.Module, group) -> None:
