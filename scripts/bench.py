@@ -18,7 +18,7 @@ config's. Every side uses one thread per process (OMP_NUM_THREADS=1).
 
 --device cuda: the template runs with trainer=gpu (one GPU per process); the plain loop composes the same
 config and takes its precision (bf16 autocast for bf16-mixed), model.compile (the project's apply_compile,
-as the template) and fused AdamW (models/optim.adamw) from it, with pinned batches copied non-blocking and
+as the template) and fused AdamW (training/optim.adamw) from it, with pinned batches copied non-blocking and
 no host sync in its steps. Step times come from CUDA events on the GPU's own timeline (StepClock); the table
 adds tokens/s, MFU (models with flops_per_token on a GPU of known bf16 peak) and rank 0's peak memory.
 """

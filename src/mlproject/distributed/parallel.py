@@ -171,7 +171,7 @@ class ModelParallel(ModelParallelStrategy):
                     }
             state = {names[p]: entry for p, entry in optimizer.state.items()}
             # Each group names every stage's parameters (a stage takes its own); how the step runs is this
-            # layout's choice (models/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
+            # layout's choice (training/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
             groups = [
                 {**written, **{k: group[k] for k in ("foreach", "fused") if k in group}}
                 for written, group in zip(optim["param_groups"], optimizer.param_groups, strict=True)
@@ -181,7 +181,7 @@ class ModelParallel(ModelParallelStrategy):
     def param_names(self, optimizer) -> list[list[str]]:
         """The names of each param group's parameters in the single process's order. A pipeline stage's optimizer
         holds only its own: every stage's are gathered and sorted by their position in the whole module (each
-        group lists its parameters in module order, models/optim.py)."""
+        group lists its parameters in module order, training/optim.py)."""
         import torch.distributed as dist
 
         names = {id(p): name for name, p in self.model.named_parameters()}
