@@ -100,8 +100,8 @@ def tensor_rows(dataset: Dataset) -> tuple[tuple[torch.Tensor, ...] | None, torc
 class EvalBatches(Sampler):
     """Rank r reads its own contiguous block of the split, every sample of it once, in batches of at most
     `batch_size`; every rank runs the same number of batches (sharded strategies gather parameters in each
-    forward), and where the split does not divide, ranks' batches differ in size by one: the tail is spread,
-    never padded. Blocks in rank order are the split in order (callbacks/predictions.py relies on it).
+    forward), and the last batches of ranks differ in size where the split does not divide: never padded.
+    Blocks in rank order are the split in order (callbacks/predictions.py relies on it).
 
     A split smaller than the world cannot give every rank a sample: refused. With a per-device batch of 1
     and a split the world does not divide, some batches hold 2 samples, so that no rank runs out.
@@ -115,12 +115,14 @@ class EvalBatches(Sampler):
             )
         base, extra = divmod(size, num_replicas)
         self.start, self.count = rank * base + min(rank, extra), base + (rank < extra)
-        self.batches = min(base, math.ceil((base + (extra > 0)) / batch_size))
+        self.batch_size, self.batches = batch_size, min(base, math.ceil((base + (extra > 0)) / batch_size))
 
     def __iter__(self):
-        start = self.start
+        start, end = self.start, self.start + self.count
         for k in range(self.batches):
-            n = self.count // self.batches + (k < self.count % self.batches)
+            left, batches_left = end - start, self.batches - k
+            # full batches while they leave a sample for each batch to come; the tail is the short one
+            n = max(math.ceil(left / batches_left), min(self.batch_size, left - batches_left + 1))
             yield list(range(start, start + n))
             start += n
 
