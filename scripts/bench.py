@@ -1,4 +1,5 @@
-"""Training throughput of the template against a plain PyTorch loop: same model, data, batch, optimizer.
+"""Training throughput of the template against a plain PyTorch loop and against the same LightningModule in a
+bare Lightning `Trainer`: same model, data, batch, optimizer.
 
     python scripts/bench.py                 # digits CNN: single process and ddp with 2 processes, on CPU
     python scripts/bench.py --worlds 1 --epochs 8 model.net.channels=96 data.batch_size=256
@@ -10,12 +11,14 @@ measured the same way: from the launch of the command to the end of the first op
 steps/s is measured over training steps only: steps that span an epoch boundary (validation, checkpoints,
 shuffling) and the first epoch (compilation, warm-up) are left out (median step time). Rank 0's CPU time per
 step is reported too: on a shared machine it is far less sensitive to other processes than the wall clock.
-The template runs with its default callbacks and CSV logger on. Both sides use one thread per process
-(OMP_NUM_THREADS=1).
+The template runs with its default callbacks and CSV logger on. The bare side (CPU, one process) runs the
+example's LightningModule and datamodule in `lightning.Trainer` with this Lightning version's defaults, no
+callbacks (no progress bar, no checkpoints) and no logger; only the clipping, precision and epochs are the
+config's. Every side uses one thread per process (OMP_NUM_THREADS=1).
 
 --device cuda: the template runs with trainer=gpu (one GPU per process); the plain loop composes the same
 config and takes its precision (bf16 autocast for bf16-mixed), model.compile (the project's apply_compile,
-as the template) and fused AdamW (models/optim.adamw) from it, with pinned batches copied non-blocking and
+as the template) and fused AdamW (training/optim.adamw) from it, with pinned batches copied non-blocking and
 no host sync in its steps. Step times come from CUDA events on the GPU's own timeline (StepClock); the table
 adds tokens/s, MFU (models with flops_per_token on a GPU of known bf16 peak) and rank 0's peak memory.
 """
@@ -130,7 +133,7 @@ def plain_worker(
 
     cfg = config(overrides)
     from mlproject.distributed.parallel import apply_compile
-    from mlproject.models.optim import adamw, warmup_cosine
+    from mlproject.training.optim import adamw, warmup_cosine
 
     cuda = device == "cuda"
     if cuda:
@@ -190,6 +193,40 @@ def plain_worker(
         Path(out).write_text(json.dumps(record))
     if world > 1:
         dist.destroy_process_group()
+
+
+def lightning_worker(epochs: int, steps: int, overrides: list[str], out: str) -> None:
+    """The example's LightningModule and datamodule in a bare Trainer: Lightning's defaults, no callbacks but
+    the step timer, no logger."""
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+
+    cfg = config(overrides)
+    torch.manual_seed(42)
+    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        limit_train_batches=steps,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        precision=cfg.trainer.precision,
+        callbacks=[step_timer(out)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, datamodule=instantiate(cfg.data))
+
+
+def run_lightning(epochs: int, steps: int, overrides: list[str], out: str) -> float:
+    code = "import json, sys; sys.path.insert(0, sys.argv[1]); import bench; "
+    code += "bench.lightning_worker(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5])"
+    start = time.time()
+    args = [str(ROOT / "scripts"), str(epochs), str(steps), json.dumps(overrides), out]
+    subprocess.run([sys.executable, "-c", code, *args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return start
 
 
 def free_port() -> int:
@@ -274,18 +311,24 @@ def check_cuda(overrides: list[str], worlds: list[int]) -> float | None:
 
 def print_cpu_table(rows) -> None:
     print(f"{'processes':>9} {'side':>9} {'steps/s':>9} {'CPU ms/step':>12} {'startup s':>10}")
-    for world, p, t in rows:
-        for side, r in (("plain", p), ("template", t)):
-            print(f"{world:>9} {side:>9} {r['steps_per_s']:>9.1f} {r['cpu_ms']:>12.2f} {r['startup_s']:>10.2f}")
-        speed, cpu = t["steps_per_s"] / p["steps_per_s"], p["cpu_ms"] / t["cpu_ms"]
-        print(f"{world:>9} {'ratio':>9} {speed:>9.3f} {cpu:>12.3f} {t['startup_s'] - p['startup_s']:>+10.2f}")
-    print("ratio: template / plain steps/s (wall clock, and from rank 0's CPU time); startup: template - plain")
+    for world, p, t, bare in rows:
+        for side, r in (("plain", p), ("lightning", bare), ("template", t)):
+            if r:
+                print(f"{world:>9} {side:>9} {r['steps_per_s']:>9.1f} {r['cpu_ms']:>12.2f} {r['startup_s']:>10.2f}")
+        for name, r in (("/ plain", p), ("/ bare", bare)):
+            if r:
+                speed, cpu, startup = t["steps_per_s"] / r["steps_per_s"], r["cpu_ms"] / t["cpu_ms"], t["startup_s"]
+                print(f"{world:>9} {name:>9} {speed:>9.3f} {cpu:>12.3f} {startup - r['startup_s']:>+10.2f}")
+    print(
+        "/ plain, / bare: template / plain loop and template / bare Lightning steps/s (wall clock, and from rank "
+        "0's CPU time); startup: template - the other"
+    )
 
 
 def print_gpu_table(rows, peak: float | None) -> None:
     head = f"{'GPUs':>4} {'side':>9} {'steps/s':>9} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'CPU ms/step':>12}"
     print(head + f" {'startup s':>10}")
-    for world, p, t in rows:
+    for world, p, t, _ in rows:
         for side, r in (("plain", p), ("template", t)):
             tokens = r["steps_per_s"] * r["tokens_per_step"]
             mfu = f"{r['flops_per_token'] * tokens / (peak * world):.1%}" if peak and r["flops_per_token"] else "n/a"
@@ -324,8 +367,9 @@ def main() -> None:
         for world in args.worlds:
             side_overrides = [*device_overrides(args.device, world), *overrides]
             best = {}
-            for i in range(args.repeats):  # alternate the sides so background load hits both alike
-                for side in ("plain", "template"):
+            sides = ("plain", "lightning", "template") if args.device == "cpu" and world == 1 else ("plain", "template")
+            for i in range(args.repeats):  # alternate the sides so background load hits them alike
+                for side in sides:
                     out = f"{tmp}/{side}_{world}_{i}.json"
                     # cold compiler caches for every run (model.compile): else the second side would start
                     # from the kernels the first one compiled
@@ -333,6 +377,8 @@ def main() -> None:
                     os.environ.update(TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
                     if side == "plain":
                         start = run_plain(world, args.epochs, args.steps, side_overrides, out, args.device)
+                    elif side == "lightning":
+                        start = run_lightning(args.epochs, args.steps, side_overrides, out)
                     else:
                         start = run_template(side_overrides, args.epochs, args.steps, out, f"{tmp}/logs")
                     r = summarise(out, start)
@@ -340,7 +386,7 @@ def main() -> None:
                     b["steps_per_s"] = max(b["steps_per_s"], r["steps_per_s"])
                     b["startup_s"] = min(b["startup_s"], r["startup_s"])
                     b["cpu_ms"] = min(b["cpu_ms"], r["cpu_ms"])
-            rows.append((world, best["plain"], best["template"]))
+            rows.append((world, best["plain"], best["template"], best.get("lightning")))
     print_cpu_table(rows) if args.device == "cpu" else print_gpu_table(rows, peak)
 
 

@@ -107,3 +107,176 @@ def test_readme_walkthrough_trains_a_new_model_on_new_data(wine_project, tmp_pat
     cfg = compose_in(wine_project, "eval", f"ckpt_path={ckpt}", *paths)  # no data=, no model=
     assert evaluate(with_checkpoint_config(cfg))["test/samples"] == 40
     GlobalHydra.instance().clear()
+
+
+# A module and a datamodule written for plain Lightning, as a user brings them: no import of this package.
+PLAIN = '''"""The digits with a small CNN, in plain Lightning."""
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torchmetrics import SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+
+class Digits(L.LightningDataModule):
+    def __init__(self, batch_size: int = 32, val_size: int = 200, test_size: int = 359, num_workers: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage=None):
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        data = TensorDataset(torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16, torch.tensor(y))
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+        test, held = self.hparams.test_size, self.hparams.test_size + self.hparams.val_size
+        self.train_set, self.val_set = Subset(data, order[held:]), Subset(data, order[test:held])
+        self.test_set = Subset(data, order[:test])
+
+    def loader(self, data, shuffle=False):
+        workers = self.hparams.num_workers
+        kwargs = {"num_workers": workers, "persistent_workers": workers > 0}
+        return DataLoader(data, self.hparams.batch_size, shuffle=shuffle, **kwargs)
+
+    def train_dataloader(self):
+        return self.loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self):
+        return self.loader(self.val_set)
+
+    def test_dataloader(self):
+        return self.loader(self.test_set)
+
+
+class CNN(L.LightningModule):
+    def __init__(self, lr: float = 0.01):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 64, 10)
+        )
+        self.val_acc = MulticlassAccuracy(10, average="micro")
+        self.test_acc, self.test_samples = MulticlassAccuracy(10, average="micro"), SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc.update(self.net(x), y)
+        self.log("val/acc", self.val_acc, on_epoch=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.test_acc.update(self.net(x), y)
+        self.test_samples.update(len(y))
+        self.log("test/acc", self.test_acc, on_epoch=True)
+        self.log("test/samples", self.test_samples, on_epoch=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+'''
+PLAIN_DATA_YAML = """# The digits, from a plain LightningDataModule.
+_target_: plain_digits.Digits
+batch_size: 32        # per device, as in Lightning
+val_size: 200         # samples held out for validation
+test_size: 359        # samples held out for test: no world size of 2 or 3 divides it
+num_workers: 0        # loader worker processes
+"""
+PLAIN_MODEL_YAML = """# A small CNN, as a plain LightningModule.
+_target_: plain_digits.CNN
+lr: 0.01              # Adam's learning rate
+"""
+STRATEGIES = {  # 2 processes each but single
+    "single": ["strategy=single"],
+    "ddp_syncbn": ["strategy=ddp", "trainer.devices=2", "trainer.sync_batchnorm=true"],
+    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
+    "deepspeed_stage_2": ["strategy=deepspeed_stage_2", "trainer.devices=2"],
+}
+EVERY_7 = "callbacks.model_checkpoint.every_n_train_steps=7"
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory):
+    """The README's steps with a plain module and datamodule in a folder of their own (on PYTHONPATH) and its
+    configs found through hydra.searchpath; a run under each strategy, and a single-process run SIGKILLed at
+    step 47 (last checkpoint: step 42, mid-epoch) and resumed with ckpt_path=auto. Returns (root, run dirs)."""
+    import os
+
+    from tests.checkpoint.helpers import kill_at
+    from tests.helpers.processes import FAST, clean_env, run, together
+
+    root = tmp_path_factory.mktemp("plain")
+    (root / "plain_digits.py").write_text(PLAIN)
+    (root / "configs/data").mkdir(parents=True)
+    (root / "configs/model").mkdir()
+    (root / "configs/data/plain_digits.yaml").write_text(PLAIN_DATA_YAML)
+    (root / "configs/model/plain_digits.yaml").write_text(PLAIN_MODEL_YAML)
+    env = clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    base = [*FAST, "trainer.max_epochs=4", f"hydra.searchpath=[file://{root}/configs]", "data=plain_digits"]
+    base += ["model=plain_digits", "logger=csv", EVERY_7]
+
+    def train(name: str, *overrides: str, check: bool = True):
+        return run("train", *base, f"run_id={name}", *overrides, log_dir=root / name, env=env, check=check, timeout=900)
+
+    def killed_then_resumed():
+        assert train("killed", "data.num_workers=2", "test=false", *kill_at(47), check=False).returncode != 0
+        train("killed", "data.num_workers=2", "test=false", "ckpt_path=auto")
+
+    together(
+        lambda: train("straight", "data.num_workers=2", "test=false"),
+        killed_then_resumed,
+        *(lambda name=name: train(name, *STRATEGIES[name]) for name in ("single", "ddp_syncbn")),
+    )
+    together(*(lambda name=name: train(name, *STRATEGIES[name]) for name in ("fsdp", "deepspeed_stage_2")))
+    return root, env, {name: root / name / "train/runs" / name for name in [*STRATEGIES, "straight", "killed"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # 9 training processes, 3 at a time, on a loaded machine
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_plain_module_and_datamodule_train_under_every_strategy(plain_runs, strategy):
+    """The digits example's accuracy (>= 0.95 after 4 epochs), every test sample counted once (359: no world
+    size divides it)."""
+    from tests.helpers.processes import read_metrics
+
+    metrics = read_metrics(plain_runs[2][strategy])
+    assert metrics["test/acc"] >= 0.95 and metrics["test/samples"] == 359
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_plain_checkpoint_evaluates_the_same_on_1_and_3_processes(plain_runs):
+    from tests.helpers.processes import read_metrics, run, run_dirs, together
+
+    root, env, runs = plain_runs
+    ckpt = runs["single"] / "checkpoints/last.ckpt"
+    base = [
+        "extras.print_config=false",
+        "trainer=cpu",
+        f"hydra.searchpath=[file://{root}/configs]",
+        f"ckpt_path={ckpt}",
+    ]
+    logs = {world: root / f"eval{world}" for world in (1, 3)}
+    together(*(lambda w=w: run("eval", *base, f"trainer.devices={w}", log_dir=logs[w], env=env) for w in logs))
+    one, three = (read_metrics(run_dirs(logs[w], "eval")[0]) for w in (1, 3))
+    assert one == three and one["test/samples"] == 359
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_plain_run_killed_mid_epoch_resumes_bitwise(plain_runs):
+    """With 2 loader workers: SIGKILL at step 47, resume from step 42's checkpoint, the final weights bitwise
+    the straight run's."""
+    from tests.checkpoint.helpers import assert_bitwise, weights
+
+    runs = plain_runs[2]
+    assert_bitwise(
+        weights(runs["straight"] / "checkpoints/last.ckpt"), weights(runs["killed"] / "checkpoints/last.ckpt")
+    )

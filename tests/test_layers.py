@@ -14,7 +14,7 @@ from mlproject.core.constants import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "src" / "mlproject"
 # Lowest first; a module may import its own room and the rooms before it. Modules directly in the package
 # (train, eval, export, submit, preflight, cli, build) are the top.
-ROOMS = ["core", "utils", "checkpoint", "distributed", "data", "models", "callbacks", "cluster"]
+ROOMS = ["core", "utils", "checkpoint", "distributed", "training", "data", "models", "callbacks", "cluster"]
 TOP = len(ROOMS)
 
 

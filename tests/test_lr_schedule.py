@@ -9,8 +9,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from mlproject.models.optim import warmup_cosine
 from mlproject.train import train
+from mlproject.training.optim import warmup_cosine
 
 LRS: list[float] = []  # what RecordLR saw in the last in-process run
 
@@ -46,7 +46,7 @@ def test_the_run_prints_the_scaled_lr_and_the_schedule_counts_optimizer_steps(co
         "model.optimizer.base_batch_size=16",
         "model.scheduler.warmup_fraction=0.25",
     )
-    with caplog.at_level(logging.INFO, logger="mlproject.models.optim"):
+    with caplog.at_level(logging.INFO, logger="mlproject.training.optim"):
         train(cfg)
     micro = 64 // accumulate
     # 2 epochs of the 1,237 training digits in whole micro-batches; Lightning also steps on an epoch's last,

@@ -9,30 +9,27 @@ import math
 import pytest
 import torch
 from lightning.pytorch import Callback
+from torchmetrics import MeanMetric
 
 from mlproject.core.constants import EXIT_DIVERGED
-from mlproject.models.metrics import ClassificationMetrics, LanguageModelMetrics
 from tests.helpers.processes import FAST, read_metrics, run, run_dirs
 
 POISON = "+callbacks.poison._target_=tests.helpers.callbacks.PoisonLoss"
 
 
-def test_loss_is_the_weighted_mean_and_keeps_nan():
-    metrics = LanguageModelMetrics(vocab_size=5)
-    logits, target = torch.randn(2, 3, 5), torch.tensor([[1, 2, 3], [4, 4, 4]])
-    valid = torch.tensor([True, False])  # the 2nd sequence is padding
-    metrics.update(logits, target, valid)
-    expected = torch.nn.functional.cross_entropy(logits[0], target[0]).double()
-    torch.testing.assert_close(metrics.loss.compute(), expected)
-    assert metrics.samples.compute() == 1
-    logits[0, 0, 0] = math.nan
-    metrics.update(logits, target, valid)
-    assert metrics.loss.compute().isnan()
-
-    scores = ClassificationMetrics(num_classes=3)
-    one_nan = torch.tensor([[math.nan] * 3, [0.0, 1.0, 2.0]])
-    scores.update(one_nan, torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool))
-    assert scores.loss.compute().isnan()
+def test_eval_loss_is_the_mean_and_keeps_nan():
+    """The examples' eval loss (models/classifier.py, models/gpt.py): a torchmetrics MeanMetric of per-sample (or
+    per-token) losses without its NaN check (a host-device sync per update), in float64; the mean over every
+    sample however they were split, and a NaN in any of them shows."""
+    logits, target = torch.randn(6, 5, dtype=torch.float64), torch.tensor([1, 2, 3, 4, 4, 4])
+    losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+    split = [MeanMetric(nan_strategy="disable").set_dtype(torch.float64) for _ in range(2)]
+    split[0].update(losses[:4])
+    split[1].update(losses[4:])
+    split[0].merge_state(split[1])  # what the sync across ranks does
+    torch.testing.assert_close(split[0].compute(), losses.mean())
+    split[0].update(torch.tensor([math.nan, 1.0]))
+    assert split[0].compute().isnan()
 
 
 class PoisonWeights(Callback):

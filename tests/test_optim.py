@@ -1,4 +1,4 @@
-"""models/optim.py: AdamW fused on CUDA and foreach on CPU, each equal to the loop; the learning rate follows
+"""training/optim.py: AdamW fused on CUDA and foreach on CPU, each equal to the loop; the learning rate follows
 the effective batch, and the schedule counts optimizer steps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mlproject.core.errors import ConfigError
-from mlproject.models.optim import adamw, effective_batch, scaled_lr
+from mlproject.training.optim import adamw, effective_batch, scaled_lr
 from tests.helpers.gpu import requires_gpu
 
 

@@ -168,7 +168,7 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     sh("git", "add", "-A", cwd=root, env=env)
     sh("git", "commit", "-qm", "start from the template", cwd=root, env=env)
     # The user's own edits: one line the template will not touch, one it will.
-    optim = root / "src/cool_net/models/optim.py"
+    optim = root / "src/cool_net/training/optim.py"
     optim.write_text(optim.read_text() + "# tuned for my data\n")
     train_yaml = root / "configs/train.yaml"
     train_yaml.write_text(re.sub(r"^seed:.*$", "seed: 7  # mine", train_yaml.read_text(), count=1, flags=re.M))

@@ -9,35 +9,24 @@ import torch
 
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import per_device_batch_size
-from mlproject.data.base import PAD, EvalSampler, Indexed
-from mlproject.models.optim import warmup_cosine
+from mlproject.training.loaders import EvalBatches, Seeded
+from mlproject.training.optim import warmup_cosine
 
 
-@pytest.mark.parametrize(("n", "world"), [(1, 3), (2, 3), (9, 2), (10, 2), (7, 3), (200, 3)])
-def test_eval_sampler_counts_each_sample_once(n, world):
-    data = list(range(n))
-    shards = [list(EvalSampler(data, world, r)) for r in range(world)]
-    assert len({len(s) for s in shards}) == 1  # every rank runs the same number of forward passes
-    real = sorted(i for s in shards for i in s if i != PAD)
-    assert real == data  # each sample exactly once, none repeated
+@pytest.mark.parametrize(("n", "world", "batch"), [(3, 3, 4), (4, 3, 1), (9, 2, 2), (10, 2, 4), (7, 3, 2), (359, 3, 8)])
+def test_eval_batches_count_each_sample_once_without_padding(n, world, batch):
+    """Every rank runs the same number of batches, none empty and none padded: in rank order they are the split
+    in order. Batch sizes stay within the per-device batch, but for a batch of 1 where the world does not
+    divide the split (then 2)."""
+    ranks = [list(EvalBatches(n, batch, world, r)) for r in range(world)]
+    assert len({len(r) for r in ranks}) == 1  # the same number of forward passes on every rank
+    assert all(0 < len(b) <= max(batch, 2 if n % world else 1) for r in ranks for b in r)
+    assert [i for r in ranks for b in r for i in b] == list(range(n))  # each sample once, in order
 
 
-def test_padding_is_masked_by_its_index_not_its_target():
-    """A padded slot repeats sample 0, target included (a regression target has no value to spare for
-    "ignore"): the metrics skip it because its index is PAD."""
-    from mlproject.models.metrics import ClassificationMetrics, LanguageModelMetrics
-
-    x, y, idx = Indexed([(torch.ones(2), torch.tensor(3))])[PAD]
-    assert idx == PAD and y.item() == 3
-    logits, target, idx = torch.randn(3, 4), torch.tensor([1, 2, 1]), torch.tensor([5, 6, PAD])
-    metrics = ClassificationMetrics(num_classes=4)
-    metrics.update(logits, target, idx != PAD)
-    alone = ClassificationMetrics(num_classes=4)
-    alone.update(logits[:2], target[:2], torch.ones(2, dtype=torch.bool))
-    assert {k: m.compute() for k, m in metrics.items().items()} == {k: m.compute() for k, m in alone.items().items()}
-    lm = LanguageModelMetrics(vocab_size=4)
-    lm.update(torch.randn(3, 5, 4), torch.ones(3, 5, dtype=torch.long), idx != PAD)
-    assert lm.samples.compute() == 2
+def test_an_eval_split_smaller_than_the_world_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="at most 2 processes"):
+        EvalBatches(2, 4, 3, 0)
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -45,48 +34,35 @@ class Noisy(torch.utils.data.Dataset):
         return torch.rand(3), i
 
 
-def test_augmentation_is_seeded_by_seed_epoch_and_index_only():
-    """The same (seed, epoch, index) draws the same augmentation in any process, and loading a sample leaves
-    the caller's random streams where they were."""
-    data = Indexed(Noisy(), seed=7)
+def test_augmentation_is_seeded_by_seed_epoch_and_batch_only():
+    """The same (seed, epoch, batch) draws the same augmentation in any process, and loading a batch leaves the
+    caller's random streams where they were; a batch draws one stream, whatever the dataset."""
+    data = Seeded(Noisy(), seed=7)
     torch.manual_seed(0)
     before = torch.random.get_rng_state()
-    a = data[(2, 1)][0]
+    a = data.__getitems__([(2, 1), (5, 1)])
     assert torch.equal(torch.random.get_rng_state(), before)
     torch.manual_seed(123)  # another process state: same draw
-    assert torch.equal(data[(2, 1)][0], a)
-    assert not torch.equal(data[(2, 0)][0], a) and not torch.equal(data[(3, 1)][0], a)
-
-
-def test_datasets_that_draw_nothing_are_read_without_seeding():
-    """The seeding costs ~100 us a sample: tensors and datasets that say so (data/text.py's Chunks, tokens.py's
-    Windows) skip it; any other dataset is seeded."""
-
-    class Slices(Noisy):
-        draws_random = False
-
-    tensors = torch.utils.data.TensorDataset(torch.arange(4.0), torch.arange(4))
-    assert not Indexed(torch.utils.data.Subset(tensors, [1, 2])).seeded
-    assert not Indexed(Slices()).seeded
-    assert Indexed(Noisy()).seeded and Indexed(torch.utils.data.Subset(Noisy(), [1])).seeded
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(data.__getitems__([(2, 1), (5, 1)]), a, strict=True))
+    assert not torch.equal(data.__getitems__([(2, 0), (5, 0)])[0][0], a[0][0])
+    assert not torch.equal(data.__getitems__([(3, 1)])[0][0], a[0][0])
+    assert not torch.equal(a[0][0], a[1][0])  # samples of a batch draw on from one stream
 
 
 def test_a_batch_of_tensors_is_read_in_one_gather_as_sample_by_sample():
-    """Indexed reads a TensorDataset, or Subsets of one, a batch at a time (__getitems__, which the DataLoader
-    calls): the same samples as __getitem__, padding slots and epoch keys included; other datasets go on
-    sample by sample."""
+    """Seeded reads a TensorDataset, or Subsets of one, a batch at a time (__getitems__, which the DataLoader
+    calls): the same samples as the dataset's own __getitem__, epoch keys included."""
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
     tensors = TensorDataset(torch.arange(20.0).view(10, 2), torch.arange(10) * 10)
-    data = Indexed(Subset(Subset(tensors, [9, 7, 5, 3, 1, 0]), [4, 2, 0, 5]))
-    keys = [3, (1, 2), PAD, 0]
-    got = data.__getitems__(keys)
-    want = [data[k] for k in keys]
-    assert [(x.tolist(), y.item(), i) for x, y, i in got] == [(x.tolist(), y.item(), i) for x, y, i in want]
-    assert [y.item() for _, y, _ in got] == [0, 50, 10, 10]  # PAD repeats the first sample
-    x, y, idx = next(iter(DataLoader(data, batch_size=4)))
-    assert y.tolist() == [10, 50, 90, 0] and idx.tolist() == [0, 1, 2, 3] and x.shape == (4, 2)
-    assert Indexed(Noisy()).tensors is None and len(Indexed(Noisy(), seed=1).__getitems__([0, (1, 1)])) == 2
+    subset = Subset(Subset(tensors, [9, 7, 5, 3, 1, 0]), [4, 2, 0, 5])
+    data = Seeded(subset)
+    got = data.__getitems__([3, (1, 2), 0])
+    want = [(subset[i][0].tolist(), subset[i][1].item()) for i in (3, 1, 0)]
+    assert [(x.tolist(), y.item()) for x, y in got] == want
+    x, y = next(iter(DataLoader(data, batch_size=4)))
+    assert y.tolist() == [10, 50, 90, 0] and x.shape == (4, 2)
+    assert Seeded(Noisy()).tensors is None
 
 
 def test_per_device_batch_size():
@@ -156,124 +132,16 @@ def test_rich_bar_reads_the_loss_when_it_draws_only(tmp_path):
     assert "train/loss" in out.getvalue()
 
 
-def test_step_values_are_recorded_only_where_the_loggers_get_them(tmp_path):
-    """LeanModule records a per-step value in training_step only at logging steps and an epoch's last batch:
-    the loggers get the same rows, callback_metrics ends the same, and Lightning's log runs a third as often."""
-    import csv
-
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
-
-    from mlproject.utils.hot_path import LeanModule
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.layer(batch[0]).pow(2).mean()
-            self.log("train/loss", loss)
-            self.log("train/epoch_mean", loss, on_epoch=True, on_step=False)  # every call counts
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    class Lean(LeanModule, Tiny):
-        pass
-
-    def fit(module, name):
-        calls = []
-        original = L.LightningModule.log
-        L.LightningModule.log = lambda self, *a, **k: calls.append(a[0]) or original(self, *a, **k)
-        try:
-            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(14, 2)), batch_size=2)
-            logger = CSVLogger(tmp_path, name=name)
-            kw = {"enable_checkpointing": False, "enable_model_summary": False, "enable_progress_bar": False}
-            trainer = L.Trainer(max_epochs=2, log_every_n_steps=3, logger=logger, accelerator="cpu", **kw)
-            trainer.fit(module, data)
-        finally:
-            L.LightningModule.log = original
-        with open(f"{logger.log_dir}/metrics.csv") as f:
-            rows = list(csv.DictReader(f))
-        return rows, {k: v.item() for k, v in trainer.callback_metrics.items()}, calls
-
-    plain, lean = fit(Tiny(), "plain"), fit(Lean(), "lean")
-    assert lean[0] == plain[0] and len(plain[0]) == 14 // 3 + 2  # steps 2, 5, 8, 11 and the two epoch ends
-    assert lean[1] == plain[1]
-    # 14 steps log the epoch mean; the loss at steps 2, 5, 8, 11 and the epoch ends 6 and 13
-    assert plain[2].count("train/loss") == 14 and lean[2].count("train/loss") == 6
-    assert lean[2].count("train/epoch_mean") == 14
-
-
-def test_callback_hooks_reach_the_callbacks_that_define_them_in_lightnings_order(tmp_path):
-    """Without a profiler only the callbacks that define a hook, on their class or instance, are called: the same
-    calls, in the same order and with the same arguments, as Lightning's dispatch to every callback makes."""
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.trainer import call
-
-    from mlproject.utils.hot_path import NoProfiler, call_only_overridden_callback_hooks
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch[0]).pow(2).mean()
-
-        def validation_step(self, batch, batch_idx):
-            self.log("val/loss", self.layer(batch[0]).pow(2).mean())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    class Recorder(Callback):
-        def __init__(self, name, seen):
-            self.name, self.seen = name, seen
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.seen.append((self.name, "batch_end", batch_idx, pl_module._current_fx_name))
-
-        def on_validation_end(self, trainer, pl_module):
-            self.seen.append((self.name, "validation_end", trainer.global_step))
-
-    def fit(dispatch):
-        seen = []
-        instance = Recorder("instance", seen)
-        instance.on_train_epoch_start = lambda trainer, _: seen.append(("instance", "epoch", trainer.current_epoch))
-        before, call._call_callback_hooks = call._call_callback_hooks, dispatch
-        try:
-            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(6, 2)), batch_size=2)
-            kw = {"enable_checkpointing": False, "enable_model_summary": False, "enable_progress_bar": False}
-            kw |= {"accelerator": "cpu", "num_sanity_val_steps": 0}
-            callbacks = [Recorder("a", seen), Callback(), instance]
-            trainer = L.Trainer(max_epochs=2, logger=False, callbacks=callbacks, **kw)
-            trainer.profiler = NoProfiler()
-            trainer.fit(Tiny(), data, data)
-        finally:
-            call._call_callback_hooks = before
-        return seen
-
-    call_only_overridden_callback_hooks()
-    lean = call._call_callback_hooks
-    assert fit(lean) == fit(lean.lightnings)
-    assert len(fit(lean)) == 2 * (3 * 2 + 2 + 1)  # per epoch: 3 batches x 2 recorders, 2 validation ends, 1 start
-
-
 def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
     """With workers, a StatefulDataLoader reads ahead as soon as its iterator is made, which Lightning does
     before it sets the epoch of a resumed run: the sampler's state carries the epoch."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from mlproject.data.base import TrainSampler
+    from mlproject.training.loaders import TrainSampler
 
     def loader():
         sampler = TrainSampler(range(100), 1, 0, shuffle=True, seed=3, drop_last=True)
-        return sampler, StatefulDataLoader(Indexed(Noisy()), batch_size=4, sampler=sampler, num_workers=2)
+        return sampler, StatefulDataLoader(Seeded(Noisy()), batch_size=4, sampler=sampler, num_workers=2)
 
     sampler, straight = loader()
     sampler.set_epoch(1)
@@ -281,26 +149,9 @@ def test_a_resumed_loader_with_workers_reads_the_right_epoch_ahead():
     for _ in range(8):
         next(batches)
     state = straight.state_dict()
-    want = [next(batches)[2].tolist() for _ in range(3)]
+    want = [next(batches)[1].tolist() for _ in range(3)]
     sampler, resumed = loader()
     resumed.load_state_dict(state)
     batches = iter(resumed)
     sampler.set_epoch(1)
-    assert [next(batches)[2].tolist() for _ in range(3)] == want
-
-
-def test_logged_values_move_only_when_on_another_device():
-    """build_trainer skips Lightning's per-call walk of a logged value's accumulator already on the value's
-    device; the accumulation is unchanged, and a value on another device still moves it."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
-
-    from mlproject.utils.hot_path import skip_redundant_log_moves
-
-    skip_redundant_log_moves()
-    results = _ResultCollection(training=True)
-    for value, batch in ((1.0, 2), (4.0, 1)):
-        results.log("training_step", "loss", torch.tensor(value), on_step=False, on_epoch=True, batch_size=batch)
-    metric = results["training_step.loss"]
-    assert metric.compute().item() == 2.0  # (1 * 2 + 4 * 1) / 3
-    metric.to(torch.device("meta"))
-    assert metric.value.device.type == metric.cumulated_batch_size.device.type == "meta"
+    assert [next(batches)[1].tolist() for _ in range(3)] == want

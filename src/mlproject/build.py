@@ -163,12 +163,6 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
 
     from mlproject.cluster.requeue import Signals
     from mlproject.distributed.syncbn import SyncBatchNormPlugin
-    from mlproject.utils.hot_path import (
-        NoProfiler,
-        call_only_overridden_callback_hooks,
-        keep_freed_host_memory,
-        skip_redundant_log_moves,
-    )
 
     if not any(isinstance(c, Signals) for c in callbacks):
         every = OmegaConf.select(cfg, "cluster.signal_check_every_n_steps", default=10)
@@ -177,9 +171,6 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
         signals = Signals(every, divergence.get("skip", False), divergence.get("max_skipped", 10), ratio)
         callbacks = [*callbacks, signals]
 
-    skip_redundant_log_moves()
-    call_only_overridden_callback_hooks()
-    keep_freed_host_memory()
     plugins = [*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins]
     if cfg.trainer.get("sync_batchnorm"):
         plugins.append(SyncBatchNormPlugin())
@@ -193,7 +184,6 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins or None,
-        **({} if cfg.trainer.get("profiler") else {"profiler": NoProfiler()}),
     )
 
 

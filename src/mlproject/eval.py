@@ -57,6 +57,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from mlproject.build import build_trainer, first_batch_fits, instantiate_all, instantiate_at
     from mlproject.callbacks.predictions import PredictionWriter
     from mlproject.checkpoint.convert import load_module
+    from mlproject.training.loaders import with_template_samplers
     from mlproject.utils.report import apply_extras, print_summary, write_metrics
 
     apply_extras(cfg)
@@ -66,7 +67,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # the architecture comes from the checkpoint's saved hyperparameters, not from cfg.model; the checkpoint
     # may be of any strategy and world size (a file, a sharded or a DeepSpeed directory)
     model = load_module(get_class(cfg.model._target_), cfg.ckpt_path)
-    datamodule = instantiate_at(cfg, "data")
+    datamodule = with_template_samplers(instantiate_at(cfg, "data"))  # every sample counted once
     trainer = build_trainer(cfg, instantiate_all(cfg, "callbacks"))
     with first_batch_fits(cfg, trainer):
         trainer.test(model, datamodule=datamodule)

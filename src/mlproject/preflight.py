@@ -69,7 +69,7 @@ def check_accelerator(cfg: DictConfig) -> None:
 
 def check_lr_scaling(cfg: DictConfig) -> None:
     """An LR rule without the batch size it scales from stops here, not in every rank's configure_optimizers."""
-    from mlproject.models.optim import scaled_lr
+    from mlproject.training.optim import scaled_lr
 
     opt = (cfg.get("model") or {}).get("optimizer") or {}
     if "lr_scaling" in opt:
@@ -164,16 +164,3 @@ def preflight(cfg: DictConfig) -> Topology:
     check_deepspeed(cfg, topology)
     check_memory(cfg, topology)
     return topology
-
-
-def check_monitors(callbacks: list, model) -> None:
-    """A checkpoint or early-stopping monitor must be equal on every rank, or ranks decide differently
-    (one saves, one does not) and the job hangs in the next collective."""
-    synced = getattr(model, "synced_metrics", None)
-    for callback in callbacks:
-        monitor = getattr(callback, "monitor", None)
-        if monitor and synced is not None and monitor not in synced:
-            raise ConfigError(
-                f"{type(callback).__name__} monitors '{monitor}', which is not synced across ranks; "
-                f"use one of: {', '.join(sorted(synced))}"
-            )

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from mlproject.cli import hydra_entry, run_as_process
 from mlproject.distributed.launch import launch_local_ranks
-from mlproject.preflight import check_monitors, preflight
+from mlproject.preflight import preflight
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -21,9 +21,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
 
     from mlproject.build import build_trainer, first_batch_fits, instantiate_all, instantiate_at
+    from mlproject.callbacks.monitors import MonitorsAgree
     from mlproject.checkpoint.resume import checkpoint_to_test, resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
     from mlproject.checkpoint.storage import PortableCheckpointIO
+    from mlproject.training.loaders import with_template_samplers
     from mlproject.utils.loggers import finish_loggers
     from mlproject.utils.rank_logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, log_outcome, print_summary, write_metrics
@@ -34,18 +36,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
         L.seed_everything(cfg.seed, workers=True)
 
     # 2. build: data, model, callbacks, loggers, trainer
-    datamodule = instantiate_at(cfg, "data")
+    datamodule = with_template_samplers(instantiate_at(cfg, "data"))  # exact batches on any world size
     model = instantiate_at(cfg, "model", _convert_="all", _recursive_=False)
     callbacks = instantiate_all(cfg, "callbacks")
-    check_monitors(callbacks, model)
-    # + RNG states and config in checkpoints; checkpoints of any strategy and world size load
-    trainer = build_trainer(cfg, [*callbacks, RunState(cfg)], plugins=(PortableCheckpointIO(),))
-    # a tensor-parallel group reads one batch together: the batch divides over data-parallel ranks only
-    log.info(
-        f"effective batch size {cfg.data.batch_size} = {topology.per_device_batch_size} per device x "
-        f"{topology.data_parallel_size} data-parallel rank(s) x {topology.accumulate} accumulation step(s); "
-        f"precision {trainer.precision}"
-    )
+    # + a check that monitors agree across ranks, RNG states and config in checkpoints; checkpoints of any
+    # strategy and world size load
+    callbacks = [*callbacks, MonitorsAgree(callbacks), RunState(cfg)]
+    trainer = build_trainer(cfg, callbacks, plugins=(PortableCheckpointIO(),))
+    # a tensor-parallel group reads one batch together: the batch divides over data-parallel ranks only (a plain
+    # LightningDataModule's batch_size is per device: configure_optimizers of the examples logs the effective one)
+    if topology.global_batch_size is not None:
+        log.info(
+            f"effective batch size {cfg.data.batch_size} = {topology.per_device_batch_size} per device x "
+            f"{topology.data_parallel_size} data-parallel rank(s) x {topology.accumulate} accumulation step(s); "
+            f"precision {trainer.precision}"
+        )
+    else:
+        log.info(f"precision {trainer.precision}")
     log_hyperparameters(cfg, model, trainer)
 
     # 3. fit, then test the best checkpoint

@@ -11,18 +11,19 @@ from lightning.pytorch.callbacks import Callback
 from tests.checkpoint.helpers import max_diff
 
 # Runs on different world sizes differ by the order of their fp32 reductions only (no dropout, BatchNorm
-# synced, the data's random streams per sample): ~1e-7 relative per value. Measured after 10 steps: 4.8e-7 on
-# the images (a BatchNorm running_var of 2.3: 2 ulps) and 1.9e-6 on the tokens, all of it in attention's key
-# bias, whose true gradient is 0 (softmax ignores what is added to every key), so that AdamW's update
-# m / (sqrt(v) + eps) follows rounding alone; every other parameter within 1e-7. A wrong data position (one
-# batch skipped at the resume) moves them by 8.5e-4 (tokens) and 0.27 (images). CLOSE is 10x the one, 1/40 the
-# other.
+# synced, no augmentation: its streams are drawn per batch of a rank): ~1e-7 relative per value. Measured
+# after 10 steps: 4.8e-7 on the images (a BatchNorm running_var of 2.3: 2 ulps) and 1.9e-6 on the tokens, all
+# of it in attention's key bias, whose true gradient is 0 (softmax ignores what is added to every key), so
+# that AdamW's update m / (sqrt(v) + eps) follows rounding alone; every other parameter within 1e-7. A wrong
+# data position (one batch skipped at the resume) moves them by 8.5e-4 (tokens) and 0.27 (images). CLOSE is
+# 10x the one, 1/40 the other.
 CLOSE = 2e-5
 
 
 class RecordSamples(Callback):
     """Appends `<epoch> <step> <sample indices>` to `<dir>/<pid>.txt` after each optimizer step of this rank:
-    a run killed later keeps what it trained."""
+    a run killed later keeps what it trained. Batches are plain `(x, y)`: the indices are the sampler's for the
+    batch's position in the epoch (training/loaders.TrainSampler), which Lightning restores on a resume."""
 
     def __init__(self, dir: str):
         self.dir = Path(dir)
@@ -30,7 +31,9 @@ class RecordSamples(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.dir.mkdir(exist_ok=True)
         with open(self.dir / f"{os.getpid()}.txt", "a") as f:
-            print(trainer.current_epoch, trainer.global_step - 1, *batch[2].tolist(), file=f)
+            loader = trainer.train_dataloader
+            ids = loader.sampler.indices()[batch_idx * loader.batch_size : (batch_idx + 1) * loader.batch_size]
+            print(trainer.current_epoch, trainer.global_step - 1, *ids.tolist(), file=f)
 
 
 def record(dir: Path) -> list[str]:

@@ -100,11 +100,12 @@ def test_workers_resume_mid_epoch_bitwise_with_augmentation(tmp_path):
 
 @pytest.mark.slow
 def test_resume_from_1_process_on_2_reads_the_next_global_batch(tmp_path):
-    """42 training images, 5 steps of 8 per epoch, random crops on: a run on 1 process killed at step 8 (its
+    """42 training images, 5 steps of 8 per epoch, no random crops: a run on 1 process killed at step 8 (its
     last checkpoint: step 6, one step into epoch 2; steps 6 and 7 are lost) resumes with ckpt_path=auto on 2
     processes. From step 6 on they read the straight run's batches, so each epoch's images are read once over
     the two halves, and the final parameters are the straight run's up to reduction order (CLOSE): no
-    dropout, BatchNorm synced over the global batch, augmentation drawn per sample."""
+    dropout, BatchNorm synced over the global batch, no augmentation (drawn per batch of a rank, so it is exact
+    on resume on the same world size, test_workers_resume_mid_epoch_bitwise_with_augmentation, not across)."""
     folder = write_folder(tmp_path / "img")
     setup = [
         "trainer.max_epochs=2",
@@ -112,6 +113,7 @@ def test_resume_from_1_process_on_2_reads_the_next_global_batch(tmp_path):
         f"data.dir={folder}",
         "data.source=null",
         "data.channels=3",
+        "data.crop_padding=0",
         "data.batch_size=8",
         "model.num_classes=3",
         "model.net.dropout=0.0",

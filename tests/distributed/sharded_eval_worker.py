@@ -19,6 +19,7 @@ from torchmetrics.functional.classification import multiclass_accuracy
 
 from mlproject.core.constants import CONFIG_DIR, IGNORE_INDEX
 from mlproject.core.resolvers import register_resolvers
+from mlproject.training.loaders import with_template_samplers
 
 
 def direct(model, dataset) -> dict[str, float]:
@@ -42,7 +43,7 @@ def main(out: str, *overrides: str) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", [f"paths.output_dir={out}", "trainer.accelerator=cpu", *overrides])
     L.seed_everything(0)
-    datamodule = instantiate(cfg.data)
+    datamodule = with_template_samplers(instantiate(cfg.data))
     model = instantiate(cfg.model, _convert_="all", _recursive_=False)
     result = {}
     if world == 1:
@@ -56,6 +57,7 @@ def main(out: str, *overrides: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     result["val"] = {k.split("/")[1]: v for k, v in trainer.validate(model, datamodule, verbose=False)[0].items()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

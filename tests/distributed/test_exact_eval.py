@@ -1,5 +1,6 @@
 """Evaluation is exact: N processes report what one process computes over the whole split, for any
-split size (dividing, odd, smaller than the world) — and every rank holds the same value."""
+split size (dividing, odd; one smaller than the world is refused, tests/test_units.py) — and every rank holds the
+same value. No padding: ranks' last batches differ in size (training/loaders.EvalBatches)."""
 
 from __future__ import annotations
 
@@ -69,9 +70,6 @@ def test_metrics_equal_single_process_reference(world, rank_metrics):
         stage = "test" if split == "test" else "val"
         got = {k.split("/")[1]: v for k, v in ranks[0][split].items()}
         want = reference(dataset)
-        if len(dataset) == 1:
-            want.pop("auroc")  # undefined for a single sample; torchmetrics returns 0 either way
-            got.pop("auroc")
         assert got == pytest.approx(want, abs=1e-6), f"{stage} split of {len(dataset)} samples"
         assert got["samples"] == len(dataset)
 

@@ -1,8 +1,7 @@
 """Progress output: a rich bar on a terminal, plain lines in batch jobs (where a bar only fills logs).
 
 Both read the step metrics they show (`train/loss` by default) from `trainer.callback_metrics` when they
-draw: the values of the last logging step (our modules record step values only there and at an epoch's
-last batch, utils/hot_path.LeanModule). Logging a step metric with `prog_bar=True` instead makes Lightning
+draw: the value of the last step that logged them. Logging a step metric with `prog_bar=True` instead makes Lightning
 turn it into a Python float on every step: a host-device sync per step on a GPU.
 """
 

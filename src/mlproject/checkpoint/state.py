@@ -1,7 +1,7 @@
 """What Lightning leaves out of a checkpoint: every rank's RNG states and metric states, and the config.
 
 Lightning saves model, optimizers, schedulers, loop counters and precision state, and the data position
-through the StatefulDataLoader (data/base.py). Without the RNG states a resumed run draws different
+through the StatefulDataLoader (training/loaders.py). Without the RNG states a resumed run draws different
 dropout masks than a straight one; without the torchmetrics states (non-persistent, and per rank) an epoch
 resumed mid-way reports train metrics of its post-resume batches only; without the config a checkpoint
 cannot rebuild its model on its own.

@@ -7,8 +7,7 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CONFIG_DIR = PROJECT_ROOT / "configs"
-PAD = -1  # sampler index of a padded evaluation slot: metrics mask it by this index, whatever its target
-IGNORE_INDEX = -100  # target value that losses and metrics skip (metrics put it on padded slots)
+IGNORE_INDEX = -100  # target value that the GPT's loss skips
 # Exit codes of runs that every rank ends together at an agreed step (cluster/requeue.py); a launcher that
 # sees one from another rank need not stop this rank, which ends the same way.
 EXIT_SIGTERM = 128 + signal.SIGTERM  # stopped on SIGTERM after saving last.ckpt (the shell's code for it)

@@ -28,6 +28,25 @@ def per_device_batch_size(batch_size: int, replicas: int, accumulate: int = 1, e
     return batch_size // (replicas * accumulate)
 
 
+def global_batch(data) -> bool:
+    """Whether `data.batch_size` is global: a subclass of the template's DataModule says so; a plain
+    LightningDataModule's batch_size is its own (per device, as in Lightning). A `_target_` that does not
+    import counts as the template's: the build names the bad name later."""
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(data["_target_"]) if "_target_" in data else None
+    except Exception:  # any import error; instantiate_at reports it with the config key
+        return True
+    base = ("mlproject.training.datamodule", "DataModule")
+    return cls is None or any((c.__module__, c.__name__) == base for c in cls.__mro__)
+
+
+def auto_strategy(devices, num_nodes: int, accelerator: str) -> str:
+    """What strategy=auto runs: single on one device, ddp on more devices or nodes."""
+    return "single" if _devices(devices, accelerator) * int(num_nodes) == 1 else "ddp"
+
+
 def _devices(devices, accelerator: str) -> int:
     """trainer.devices as Lightning counts it: an int, "auto"/-1 (all visible GPUs, else 1), "0,1" or a list."""
     if isinstance(devices, str) and devices != "auto":
@@ -50,13 +69,15 @@ class Topology:
     expert_parallel_size: int = 1  # ranks of a shard group that split the experts of an MoE layer
     pipeline_parallel_size: int = 1  # pipeline stages (groups of ranks) the network's blocks are split over
     accumulate: int = 1  # micro-batches per optimizer step
-    global_batch_size: int | None = None  # data.batch_size, if the data has one
+    global_batch_size: int | None = None  # data.batch_size, if the data is the template's DataModule (global)
     training: bool = True  # False for evaluation only (eval, or train=false): the batch may split unevenly
 
     @classmethod
     def of(cls, cfg) -> Topology:
         strategy = cfg.get("strategy") or {}
         name = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
+        if name == "auto":
+            name = auto_strategy(cfg.trainer.devices, cfg.trainer.get("num_nodes", 1), cfg.trainer.accelerator)
         tp, replicate = int(strategy.get("tensor_parallel_size", 1)), int(strategy.get("replicate_size", 1))
         pp = int(strategy.get("pipeline_parallel_size", 1))
         if name == "model_parallel":
@@ -72,7 +93,7 @@ class Topology:
             expert_parallel_size=int(strategy.get("expert_parallel_size", 1)),
             pipeline_parallel_size=pp,
             accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
-            global_batch_size=data.get("batch_size"),
+            global_batch_size=data.get("batch_size") if global_batch(data) else None,
             training=bool(cfg.get("train", False)),
         )
 

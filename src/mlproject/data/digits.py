@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Subset, TensorDataset
 
 from mlproject.core.errors import ConfigError
-from mlproject.data.base import DataModule
+from mlproject.training.datamodule import DataModule
 
 
 class DigitsDataModule(DataModule):

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
-from mlproject.data.base import DataModule
+from mlproject.training.datamodule import DataModule
 
 VOCAB_SIZE = 256
 
@@ -34,8 +34,6 @@ def decode(tokens: torch.Tensor) -> str:
 
 class Chunks(Dataset):
     """Non-overlapping windows of block_size tokens: x = tokens[i : i+T], y = tokens[i+1 : i+T+1]."""
-
-    draws_random = False  # plain slices: Indexed needs no seeding (data/base.py)
 
     def __init__(self, tokens: torch.Tensor, block_size: int):
         self.tokens, self.block_size = tokens, block_size

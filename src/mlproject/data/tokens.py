@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
-from mlproject.data.base import DataModule
 from mlproject.data.preparation import prepare, read_manifest
+from mlproject.training.datamodule import DataModule
 
 TOKENIZERS = ("bytes", "bpe")
 CHUNK = 1 << 24  # bytes of text read at a time: about what preparation holds in memory
@@ -103,8 +103,6 @@ class Windows(Dataset):
     Each read maps its shard anew, as nanoGPT does: a mapping kept open would count every page ever read
     in the process's resident memory, so a long epoch would look like the corpus in memory.
     """
-
-    draws_random = False  # plain slices: Indexed needs no seeding (data/base.py)
 
     def __init__(self, dir: Path, manifest: dict, block_size: int, first: int, count: int):
         self.paths = [str(dir / s["file"]) for s in manifest["shards"]]

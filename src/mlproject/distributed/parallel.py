@@ -12,12 +12,14 @@ A model without a plan is sharded as one FSDP unit.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 
@@ -173,7 +175,7 @@ class ModelParallel(ModelParallelStrategy):
                     }
             state = {names[p]: entry for p, entry in optimizer.state.items()}
             # Each group names every stage's parameters (a stage takes its own); how the step runs is this
-            # layout's choice (models/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
+            # layout's choice (training/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
             groups = [
                 {**written, **{k: group[k] for k in ("foreach", "fused") if k in group}}
                 for written, group in zip(optim["param_groups"], optimizer.param_groups, strict=True)
@@ -183,7 +185,7 @@ class ModelParallel(ModelParallelStrategy):
     def param_names(self, optimizer) -> list[list[str]]:
         """The names of each param group's parameters in the single process's order. A pipeline stage's optimizer
         holds only its own: every stage's are gathered and sorted by their position in the whole module (each
-        group lists its parameters in module order, models/optim.py)."""
+        group lists its parameters in module order, training/optim.py)."""
         import torch.distributed as dist
 
         names = {id(p): name for name, p in self.model.named_parameters()}
@@ -225,6 +227,10 @@ class ModelParallel(ModelParallelStrategy):
         super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
         self.meshes = named_meshes(self.topology, self.root_device.type)
         self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
+        module = self.lightning_module
+        if not is_overridden("configure_model", module):
+            # a plain module, without a plan (on the instance, where Lightning looks for the hook)
+            module.configure_model = functools.partial(parallelize_children, module)
         # SyncBatchNorm before configure_model shards the model: the conversion builds new modules (torch's on GPU,
         # ours on CPU alike), and after fully_shard they would hold the sharded weights while FSDP gathers into the
         # old ones. Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be ignored.
@@ -397,6 +403,14 @@ def parallelize(
     for metric in pl_module.modules():
         if isinstance(metric, Metric):
             metric.process_group = meshes["metrics"].get_group()
+
+
+def parallelize_children(pl_module) -> None:
+    """configure_model of a module that has none: each child with parameters is one FSDP unit (a step calls the
+    children, never the module itself, whose forward would gather a whole-module unit)."""
+    for child in pl_module.children():
+        if next(child.parameters(), None) is not None:
+            parallelize(pl_module, child)
 
 
 def set_batch_group(net: nn.Module, group) -> None:

@@ -7,13 +7,20 @@ from datetime import timedelta
 from omegaconf import DictConfig
 
 from mlproject.core.errors import ConfigError
-from mlproject.core.topology import Topology
+from mlproject.core.topology import Topology, auto_strategy
 
 
 def single(timeout: float | None = None):
     """One process: Lightning's 'auto' resolves to SingleDeviceStrategy when devices=1 (preflight checks).
     `timeout` is accepted so that every strategy takes it (debug=distributed sets it); one process has no group."""
     return "auto"
+
+
+def auto(devices, num_nodes: int = 1, accelerator: str = "auto", timeout: float = 1800, **ddp_kwargs):
+    """single on one device, else ddp with `ddp_kwargs` (Lightning's own choice for "auto")."""
+    if auto_strategy(devices, num_nodes, accelerator) == "single":
+        return single(timeout)
+    return ddp(timeout, **ddp_kwargs)
 
 
 def ddp(timeout: float = 1800, **kwargs):

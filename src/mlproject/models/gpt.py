@@ -13,20 +13,33 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torch import nn
+from torchmetrics import MeanMetric, SumMetric
+from torchmetrics.classification import MulticlassAccuracy
 
-from mlproject.core.constants import IGNORE_INDEX, PAD
+from mlproject.core.constants import IGNORE_INDEX
 from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
 from mlproject.distributed.pipeline import Pipeline
-from mlproject.models.metrics import LanguageModelMetrics
-from mlproject.models.optim import configure
-from mlproject.utils.hot_path import LeanModule
+from mlproject.training.optim import configure
 
 
 def next_token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
 
 
-class GPTModule(LeanModule, L.LightningModule):
+def eval_metrics(vocab_size: int) -> nn.ModuleDict:
+    """Next-token acc, the mean loss over tokens and the number of sequences counted; no input checks (a
+    host-device sync per step on a GPU), float64 sums (the mean does not depend on how samples were split)."""
+    return nn.ModuleDict(
+        {
+            "acc": MulticlassAccuracy(num_classes=vocab_size, average="micro", validate_args=False),
+            "loss": MeanMetric(nan_strategy="disable").set_dtype(torch.float64),
+            "samples": SumMetric(nan_strategy="disable"),
+        }
+    )
+
+
+class GPTModule(L.LightningModule):
     pipeline: Pipeline | None = None  # set by parallelize under pipeline parallelism
 
     def __init__(
@@ -41,17 +54,11 @@ class GPTModule(LeanModule, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
-        self.val_metrics = LanguageModelMetrics(net["vocab_size"])
-        self.test_metrics = LanguageModelMetrics(net["vocab_size"])
-
-    @property
-    def synced_metrics(self) -> set[str]:
-        """Metrics reduced by torchmetrics, equal on every rank: the only ones safe to monitor."""
-        return {f"{stage}/{name}" for stage in ("val", "test") for name in self.val_metrics.items()}
+        self.val_metrics, self.test_metrics = eval_metrics(net["vocab_size"]), eval_metrics(net["vocab_size"])
 
     @property
     def flops_per_token(self) -> int:
-        """For perf/mfu (callbacks/throughput.py)."""
+        """Training FLOPs per token: optional, callbacks/throughput.py reports perf/mfu where a module has it."""
         return self.net.flops_per_token()
 
     def configure_model(self):
@@ -61,7 +68,7 @@ class GPTModule(LeanModule, L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
-        x, y, _ = batch
+        x, y = batch
         if self.pipeline is not None:
             loss = self.pipeline.step(x, y)  # forward and backward of every micro-batch; see backward()
             self.log("train/loss", loss)
@@ -100,18 +107,20 @@ class GPTModule(LeanModule, L.LightningModule):
         self.log_dict(loads)  # the same on every rank: counted over the global batch
         return total
 
-    def _evaluate(self, batch, stage: str, metrics: LanguageModelMetrics) -> None:
-        x, y, idx = batch
+    def _evaluate(self, batch, stage: str, metrics: nn.ModuleDict) -> None:
+        x, y = batch
         if self.pipeline is None:
-            metrics.update(self(x), y, idx != PAD)
+            logits = self(x)
         elif self.pipeline.last:
-            metrics.update(self.pipeline(x), y, idx != PAD)
-        else:  # the other stages count one padded sequence, i.e. nothing, so that every rank syncs the same metrics
+            logits = self.pipeline(x)
+        else:  # the other stages count no sequence, so that every rank syncs the same metrics
             self.pipeline(x)
-            vocab = self.hparams.net["vocab_size"]
-            nothing = torch.zeros(1, dtype=torch.bool, device=y.device)
-            metrics.update(torch.zeros(1, y.size(1), vocab, device=y.device), y[:1], nothing)
-        for name, metric in metrics.items().items():
+            logits, y = torch.zeros(0, y.size(1), self.hparams.net["vocab_size"], device=y.device), y[:0]
+        logits, flat = logits.flatten(0, 1).float(), y.flatten()
+        metrics["acc"].update(logits, flat)
+        metrics["loss"].update(F.cross_entropy(logits, flat, reduction="none"))
+        metrics["samples"].update(len(y))
+        for name, metric in metrics.items():
             self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "loss")
 
     def validation_step(self, batch, batch_idx):
