@@ -53,7 +53,7 @@ CASES = {
     "wrong type": (["trainer.max_epochs=ten"], "trainer.max_epochs='ten' must be of type int"),
     "batch not divisible": (["strategy=ddp", "trainer.devices=3"], "use a multiple of 3"),
     "missing checkpoint": (["ckpt_path=nope.ckpt"], "ckpt_path=nope.ckpt does not exist"),
-    "single with devices": (["trainer.devices=2"], "use strategy=ddp"),
+    "single with devices": (["strategy=single", "trainer.devices=2"], "use strategy=ddp"),
     "group set to null": (["logger=null"], "use ~<group>, e.g. ~logger"),
     "batch size zero": (["data.batch_size=0"], "data.batch_size=0 is out of range: it must be >= 1"),
     "no devices": (["trainer.devices=0"], "trainer.devices=0 is out of range: it must be >= 1"),

@@ -108,6 +108,19 @@ def did_you_mean(name: str, names) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+def parameters(cls: type) -> list[str]:
+    """The keyword arguments `cls(...)` takes: its own, and its bases' where it passes **kwargs on to them."""
+    names = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
+
+
 def explain(cfg: DictConfig, key: str, exc: Exception) -> str:
     """One line for Hydra's nested instantiation errors (a module's constructor instantiates its own net)."""
     text = str(exc).replace("\\'", "'")
@@ -124,7 +137,7 @@ def explain(cfg: DictConfig, key: str, exc: Exception) -> str:
     if m := re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", text):
         cls, arg = m.groups()
         at = next((k for k, t in found.items() if t.endswith(f".{cls}")), key)
-        params = inspect.signature(get_class(found[at])).parameters if at in found else ()
+        params = parameters(get_class(found[at])) if at in found else ()
         hint = did_you_mean(arg, params).replace("mean ", f"mean {at}.") or f"; it takes {', '.join(params)}"
         return f"{with_source(cfg, f'{at}.{arg}')}: {cls} takes no argument {arg!r}{hint}"
     cause = str(exc.__cause__ or exc).replace("\\'", "'")

@@ -26,6 +26,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     Sampler,
+    SequentialSampler,
     Subset,
     TensorDataset,
 )
@@ -198,6 +199,9 @@ def with_samplers(loader, train: bool, trainer):
     dataset = Seeded(loader.dataset, seed)
     if not train:
         return DataLoader(dataset, batch_sampler=EvalBatches(len(dataset), loader.batch_size, world, rank), **kwargs)
+    if trainer is not None and trainer.overfit_batches:  # the first batches again and again, as Lightning does it
+        sampler = SequentialSampler(dataset)  # (it would rebuild any other loader, which a StatefulDataLoader refuses)
+        return DataLoader(dataset, loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs)
     # A DistributedSampler even on one process: the same seed then gives the same global batches on any world
     # size (rank r's batch k is a slice of the single-process batch k), and dropping the sampler's incomplete
     # tail keeps every rank's number of batches the same. Its own generator keeps the creation of each epoch's
