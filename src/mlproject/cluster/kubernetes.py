@@ -19,6 +19,7 @@ from datetime import datetime
 import yaml
 from omegaconf import DictConfig
 
+from mlproject.cluster import allocation
 from mlproject.core.errors import ConfigError
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
@@ -44,32 +45,7 @@ WHOLE = {  # key: least value
 
 def check_allocation(cfg: DictConfig) -> None:
     """With cluster=kubernetes, the Trainer must ask for exactly what the pods are given."""
-    c = cfg.get("cluster") or {}
-    if c.get("scheduler") != "kubernetes":
-        return
-    for key, least in WHOLE.items():
-        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < least:
-            raise ConfigError(f"cluster.{key}={c[key]!r} should be a whole number >= {least}")
-    t = cfg.trainer
-    if t.num_nodes != c.nodes:
-        raise ConfigError(
-            f"trainer.num_nodes={t.num_nodes} but cluster.nodes={c.nodes}; set cluster.nodes only "
-            "(trainer.num_nodes follows it)"
-        )
-    if t.devices != c.procs_per_node:
-        raise ConfigError(
-            f"trainer.devices={t.devices} but cluster.procs_per_node={c.procs_per_node}; set cluster.gpus_per_node "
-            "(or cluster.procs_per_node on CPU nodes) only (trainer.devices follows it)"
-        )
-    if c.gpus_per_node and c.procs_per_node != c.gpus_per_node:
-        raise ConfigError(
-            f"cluster.procs_per_node={c.procs_per_node} but cluster.gpus_per_node={c.gpus_per_node}; "
-            "torchrun starts one process per GPU: leave procs_per_node at its default"
-        )
-    if c.gpus_per_node and t.accelerator == "cpu":
-        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} with trainer=cpu; use trainer=gpu")
-    if not c.gpus_per_node and t.accelerator in ("gpu", "cuda"):
-        raise ConfigError("trainer.accelerator=gpu but cluster.gpus_per_node=0; set cluster.gpus_per_node")
+    allocation.check_allocation(cfg, "kubernetes", "procs_per_node", WHOLE, "torchrun starts")
 
 
 def check_in_job(cfg: DictConfig) -> None:

@@ -8,6 +8,7 @@ import sys
 
 from omegaconf import DictConfig
 
+from mlproject.cluster import allocation
 from mlproject.core.errors import ConfigError
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
@@ -21,35 +22,12 @@ RENDEZVOUS = [
 ]
 
 
+WHOLE = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 1, "signal_seconds": 1}
+
+
 def check_allocation(cfg: DictConfig) -> None:
     """With cluster=slurm, the Trainer must ask for exactly what the sbatch header allocates."""
-    c = cfg.get("cluster") or {}
-    if c.get("scheduler") != "slurm":
-        return
-    for key in ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time_min", "signal_seconds"):
-        least = 0 if key == "gpus_per_node" else 1
-        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < least:
-            raise ConfigError(f"cluster.{key}={c[key]!r} should be a whole number >= {least}")
-    t = cfg.trainer
-    if t.num_nodes != c.nodes:
-        raise ConfigError(
-            f"trainer.num_nodes={t.num_nodes} but cluster.nodes={c.nodes}; set cluster.nodes only "
-            "(trainer.num_nodes follows it)"
-        )
-    if t.devices != c.tasks_per_node:
-        raise ConfigError(
-            f"trainer.devices={t.devices} but cluster.tasks_per_node={c.tasks_per_node}; set cluster.gpus_per_node "
-            "(or cluster.tasks_per_node on CPU nodes) only (trainer.devices follows it)"
-        )
-    if c.gpus_per_node and c.tasks_per_node != c.gpus_per_node:
-        raise ConfigError(
-            f"cluster.tasks_per_node={c.tasks_per_node} but cluster.gpus_per_node={c.gpus_per_node}; "
-            "DDP runs one process per GPU: leave tasks_per_node at its default"
-        )
-    if c.gpus_per_node and t.accelerator == "cpu":
-        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} with trainer=cpu; use trainer=gpu")
-    if not c.gpus_per_node and t.accelerator in ("gpu", "cuda"):
-        raise ConfigError("trainer.accelerator=gpu but cluster.gpus_per_node=0; set cluster.gpus_per_node")
+    allocation.check_allocation(cfg, "slurm", "tasks_per_node", WHOLE, "DDP runs")
 
 
 def check_in_job(cfg: DictConfig) -> None:
