@@ -233,9 +233,9 @@ def run_child(request: dict) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    for thread in threading.enumerate():  # as the interpreter does before exiting: wait for non-daemon threads
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does at exit, in its order: threading's exit hooks (they stop executor workers), then
+    # waiting for non-daemon threads, then the atexit functions.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
