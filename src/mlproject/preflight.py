@@ -125,7 +125,10 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
                 row = pool.submit(largest, cfg, layout).result()
         else:
             row = largest(cfg, layout)
-    except RuntimeError:  # data and model disagree: the first batch says so in one line (build.first_batch_fits)
+    except Exception:  # noqa: BLE001
+        # No estimate, nothing to refuse: data made by the run itself (prepare_data), a plain datamodule (the
+        # planner reads the template's splits()), or data and model that disagree (the first batch says so in
+        # one line). `make plan` shows why.
         return
     if row.total <= limit * memory:
         return
