@@ -11,7 +11,6 @@ Loaders over an IterableDataset, and anything that is not a DataLoader, pass thr
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import random
@@ -214,18 +213,25 @@ def with_samplers(loader, train: bool, trainer):
     )
 
 
+class WithSamplers:
+    """A datamodule's `*_dataloader` hook, its loaders made anew by `with_samplers`. An object, not a closure,
+    so that the datamodule still pickles (ddp_spawn sends it to its processes); `__wrapped__` is the class's
+    hook, where Lightning's `is_overridden` looks."""
+
+    def __init__(self, datamodule, name: str):
+        self.datamodule, self.name = datamodule, name
+        self.__wrapped__ = getattr(type(datamodule), name)
+
+    def __call__(self):
+        loaders = self.__wrapped__(self.datamodule)
+        train = self.name == "train_dataloader"
+        return apply_to_collection(loaders, DataLoader, with_samplers, train, self.datamodule.trainer)
+
+
 def with_template_samplers(datamodule):
     """The datamodule, its `*_dataloader` hooks wrapped by `with_samplers` (on the instance: every other hook,
     attribute and state is the user's own, and Lightning's `is_overridden` still sees the user's methods)."""
     for name in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"):
-        hook = getattr(datamodule, name)
-        if getattr(hook, "with_samplers", False):
-            continue
-
-        @functools.wraps(hook)
-        def wrapped(hook=hook, train=name == "train_dataloader"):
-            return apply_to_collection(hook(), DataLoader, with_samplers, train, datamodule.trainer)
-
-        wrapped.with_samplers = True
-        setattr(datamodule, name, wrapped)
+        if not isinstance(getattr(datamodule, name), WithSamplers):
+            setattr(datamodule, name, WithSamplers(datamodule, name))
     return datamodule
