@@ -117,7 +117,8 @@ class GPTModule(L.LightningModule):
             self.pipeline(x)
             logits, y = torch.zeros(0, y.size(1), self.hparams.net["vocab_size"], device=y.device), y[:0]
         logits, flat = logits.flatten(0, 1).float(), y.flatten()
-        metrics["acc"].update(logits, flat)
+        if len(flat):  # torchmetrics' accuracy cannot reshape an empty batch (the pipeline's other stages)
+            metrics["acc"].update(logits, flat)
         metrics["loss"].update(F.cross_entropy(logits, flat, reduction="none"))
         metrics["samples"].update(len(y))
         for name, metric in metrics.items():
