@@ -182,7 +182,7 @@ def test_fsdp_resume_with_ema_is_bitwise(tmp_path):
     setup = [
         *(o for o in GPT if not o.startswith("trainer.max_steps")),
         "trainer.max_steps=8",
-        "callbacks=[model_checkpoint,ema]",
+        "callbacks=[last_checkpoint,model_checkpoint,ema]",
         f"callbacks.ema.decay={DECAY}",
         "callbacks.last_checkpoint.every_n_train_steps=2",
         "strategy=fsdp",

@@ -127,6 +127,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
 
 
+def _receive(conn: socket.socket) -> bytes:
+    try:
+        return conn.recv(64)
+    except OSError:  # reset by a stand-in that died
+        return b""
+
+
 def serve(path: str, stand_in: str) -> dict:
     """The server's loop. Returns only in a forked child, with the request it is to run."""
     _die_with_parent()
@@ -183,11 +190,14 @@ def serve(path: str, stand_in: str) -> dict:
                     if pid == 0:
                         break
                     if conn := children.pop(pid, None):
-                        selector.unregister(conn)
+                        with contextlib.suppress(KeyError):  # unregistered already if its stand-in died
+                            selector.unregister(conn)
                         with contextlib.suppress(OSError):
                             conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
                         conn.close()
-            elif not key.fileobj.recv(64):  # the stand-in died: so does its child's process group
+            elif children.get(key.data) is not key.fileobj:
+                continue  # its child was reaped earlier in this round, and the connection closed
+            elif not _receive(key.fileobj):  # the stand-in died: so does its child's process group
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(key.data, signal.SIGKILL)
                 selector.unregister(key.fileobj)
