@@ -199,7 +199,7 @@ STRATEGIES = {  # 2 processes each but single
     "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "deepspeed_stage_2": ["strategy=deepspeed_stage_2", "trainer.devices=2"],
 }
-EVERY_7 = "callbacks.model_checkpoint.every_n_train_steps=7"
+EVERY_7 = "callbacks.last_checkpoint.every_n_train_steps=7"
 
 
 @pytest.fixture(scope="module")
