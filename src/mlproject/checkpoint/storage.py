@@ -130,6 +130,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
                     "callbacks.model_checkpoint.async_save=true is not supported under deepspeed "
                     "(DeepSpeed writes its own checkpoints); set it to false"
                 )
+            # through Strategy.checkpoint_io's public setter: this trainer's strategy only, no Lightning code replaced
             trainer.strategy.checkpoint_io = AsyncCheckpointIO(trainer.strategy.checkpoint_io)
 
     def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
