@@ -8,6 +8,7 @@ import warnings
 
 import tomllib
 import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from mlproject.core.constants import PROJECT_ROOT
@@ -35,7 +36,10 @@ def test_debug_overfit_runs(tmp_path):
     proc = run("train", *FAST, "debug=overfit", log_dir=tmp_path)
     (run_dir,) = run_dirs(tmp_path, "debug")
     assert "effective batch 64 (64 per device x 1 data-parallel rank(s) x 1 accumulation)" in proc.stdout
-    assert read_metrics(run_dir)["test/samples"] == 360
+    data = instantiate(OmegaConf.load(run_dir / ".hydra" / "config.yaml").data)
+    data.prepare_data()
+    data.setup("test")
+    assert read_metrics(run_dir)["test/samples"] == len(data.test_set)  # the whole test split, not 3 batches
 
 
 def test_runs_show_warnings_except_the_named_known_ones():

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def test_preparation_killed_half_way_is_redone_not_used(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", 128 << 20)
     out = tmp_path / "tok"
     args = ["data=tokens", f"data.source={corpus}/*.txt", f"data.dir={out}", "data.shard_tokens=2097152"]
-    cmd = [PYTHON, "-m", "mlproject.prepare", f"paths.log_dir={tmp_path}/logs", *args]
+    # the real interpreter: the preparation's temporary directory is named by its pid, which a warm run's isn't
+    cmd = [sys.executable, "-m", "mlproject.prepare", f"paths.log_dir={tmp_path}/logs", *args]
     proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(), stdout=subprocess.DEVNULL)
     tmp = tmp_path / f"tok.tmp-{os.uname().nodename}-{proc.pid}"
     while not (tmp / "tokens-00002.bin").exists():  # a few shards written, far from the 64 of the corpus

@@ -62,7 +62,7 @@ def probe(path: Path) -> list[str]:
 def test_local_ranks_start_before_rank_0_builds_its_trainer(tmp_path):
     """strategy=ddp: rank 0 starts rank 1 right after preflight, not inside trainer.fit (Lightning's
     launcher): rank 1 is already running when rank 0 builds its callbacks, and both write one run directory."""
-    run("train", *TINY, *probe(tmp_path / "startup"), log_dir=tmp_path, timeout=120)
+    run("train", *TINY, *probe(tmp_path / "startup"), log_dir=tmp_path, timeout=120, cold=True)
     ranks = [json.loads((tmp_path / "startup" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["pid"] != ranks[1]["pid"]
     assert ranks[1]["ppid"] == ranks[0]["pid"]  # rank 0 started rank 1 ...

@@ -32,7 +32,8 @@ FAST = ["extras.print_config=false", "trainer=cpu", "trainer.max_epochs=2"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment for a child run: no ids or ranks inherited from this process or a scheduler."""
+    """The environment for a child run: no ids or ranks inherited from this process or a scheduler, and none of
+    the variables of a `make test ARGS=...` that started the suite (a nested make would take them as its own)."""
     drop = (
         "MLPROJECT_RUN_ID",
         "SLURM_",
@@ -45,7 +46,7 @@ def clean_env(**extra: str) -> dict[str, str]:
         "HYDRA_FULL_ERROR",
         "_MLPROJECT",
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env = {k: v for k, v in make_env().items() if not k.startswith(drop)}
     # One thread per process: the multi-process tests run several processes on few cores, where torch's
     # default thread pools only spin against each other.
     env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
@@ -60,10 +61,13 @@ def run(
     timeout: int = 240,
     check: bool = True,
     env: dict | None = None,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess:
     """`python -m mlproject.<module> overrides...` writing under log_dir; fails loudly with its output. On a
-    timeout the run's whole process group is killed: the ranks Lightning started besides the one it runs in."""
-    cmd = [PYTHON, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
+    timeout the run's whole process group is killed: the ranks Lightning started besides the one it runs in.
+    cold: the real interpreter, for a test that reads process ids or parentage (a warm run is a fork of the
+    warm server, so its pid is not the one Popen returns, and the ranks it starts are the server's children)."""
+    cmd = [sys.executable if cold else PYTHON, "-m", f"mlproject.{module}", f"paths.log_dir={log_dir}", *overrides]
     env = env or clean_env()
     with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, text=True, start_new_session=True, **PIPES) as child:
         LIVE.add(child.pid)
