@@ -145,7 +145,8 @@ def test_copier_project_passes_its_tests_and_trains(copier_project, tmp_path):
     sh(sys.executable, "-m", "cool_net.train", *overrides, cwd=root, env=env, timeout=300)
     metrics = json.loads((tmp_path / "train/runs/first/metrics.json").read_text())  # the renamed env var names the run
     assert metrics["test/samples"] == 2 * 64  # 2 test batches of the global batch, each sample once
-    assert set(metrics) == {f"{stage}/{m}" for stage in ("val", "test") for m in ("acc", "f1", "auroc", "loss", "samples")}
+    names = ("acc", "f1", "auroc", "loss", "samples")
+    assert set(metrics) == {f"{stage}/{name}" for stage in ("val", "test") for name in names}
 
 
 def test_cookiecutter_gives_the_same_project(template, copier_project, tmp_path, tool_env):
