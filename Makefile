@@ -13,6 +13,8 @@ LOCK        ?= requirements.lock
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 ARGS   ?=
+# make test: pytest-xdist workers. Most tests run one single-threaded process at a time; 2 fill 2 cores.
+TEST_WORKERS ?= 2
 CKPT   ?=
 OUT    ?= model.pt
 # `make train trainer.max_epochs=3 '~logger'` works too: every form Hydra accepts (key=value, +key=value,
@@ -21,7 +23,7 @@ OUT    ?= model.pt
 # On Linux the order comes from make's own arguments in /proc; elsewhere assignments come first (MAKEOVERRIDES
 # lists them last first), then deletions. ARGS is for what make would read as its own: options such as
 # `--multirun`, or `-m` (make takes -m as its own flag and ignores it). The shell splits ARGS.
-OURS      = VENV LOCK TORCH TORCH_INDEX ARGS CKPT OUT NAME EXAMPLES
+OURS      = VENV LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES
 quote     = '$(subst ','\'',$(1))'
 reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
@@ -80,10 +82,10 @@ export: install ## any checkpoint -> one plain state dict: make export CKPT=path
 	$(PY) -m mlproject.export $(call quote,ckpt_path=$(value CKPT)) $(call quote,out=$(value OUT)) $(OVERRIDES)
 
 test: install ## run the whole test suite
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 test-fast: install ## the quick tests: all but those marked slow (multi-process training, long end-to-end runs)
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 test-gpu: install ## the GPU acceptance suite (tests/gpu/) on every visible GPU; skips without one
 	$(PY) -m pytest -m gpu $(ARGS)

@@ -22,8 +22,24 @@ def pytest_configure(config):
     from mlproject.core.constants import PROJECT_ROOT
     from tests.helpers import processes, warm
 
-    if os.environ.get("MLPROJECT_COLD_TESTS") != "1":
+    controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if os.environ.get("MLPROJECT_COLD_TESTS") != "1" and not controller:  # xdist's workers run the tests
         processes.PYTHON, config._warm_server = warm.start(PROJECT_ROOT, processes.clean_env())
+
+
+# Session fixtures that several test files share: under `pytest -n` (make test) the files that use one run on
+# one worker, so each is built once. Every other file is a group of its own: its module fixtures, once too.
+SHARED = ("slurm", "single_reference", "trained_run")
+
+
+def pytest_collection_modifyitems(config, items):
+    groups = {str(item.path): str(item.path) for item in items}
+    for item in items:
+        for name in SHARED:
+            if name in item.fixturenames:
+                groups[str(item.path)] = name
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[str(item.path)]))
 
 
 def pytest_unconfigure(config):

@@ -87,7 +87,10 @@ class StallWatchdog(Callback):
         }
         (self._dir / f"rank{self._rank}.json").write_text(json.dumps(record))
         verdict = self._dir / "verdict.txt"
-        deadline = time.monotonic() + min(30.0, self.timeout + self.end_after)
+        # rank 0 waits for the others' records; they wait longer for its verdict, as its own watch may fire a
+        # little later (its last batch point came later, or a loaded machine ran its thread late)
+        wait = min(30.0, self.timeout + self.end_after) if self._rank == 0 else max(30.0, self.timeout + self.end_after)
+        deadline = time.monotonic() + wait
         if self._rank == 0:
             paths = [self._dir / f"rank{r}.json" for r in range(self._world)]
             while not all(p.exists() for p in paths) and time.monotonic() < deadline:
