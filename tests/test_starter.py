@@ -301,6 +301,7 @@ def test_every_subset_describes_what_it_keeps(subset_project):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a whole fast suite, beside the other xdist worker's tests
 def test_every_subset_passes_its_fast_tests(subset_project):
     """`make test-fast` of the generated project: a process of its own, since it is another package."""
     root, kept = subset_project
