@@ -211,6 +211,11 @@ def run_child(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # Lightning reads the process's rank from the environment once, at import (in the server): read it again
+    # here, as a fresh interpreter would (a rank-1 child otherwise believes it is rank 0 until Trainer setup).
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    rank_zero_only.rank = _get_rank() or 0
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams, kept for its life
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
