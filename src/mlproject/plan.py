@@ -281,13 +281,12 @@ def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
 
 
 def device_memory(cfg: DictConfig) -> int | None:
-    """Bytes of one target GPU: cluster.gpu_memory_gb, else the first visible GPU's, else unknown."""
-    import torch
+    """Bytes of one target GPU: cluster.gpu_memory_gb, else the smallest GPU's here, else unknown. Read through
+    NVML (gpu_memory): preflight asks in the launching process, before Lightning starts the ranks."""
+    from mlproject.core.resolvers import gpu_memory
 
     gb = (cfg.get("cluster") or {}).get("gpu_memory_gb")
-    if gb:
-        return int(gb * GiB)
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return int(gb * GiB) if gb else gpu_memory()
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def available_ram() -> int | None:
 
 def check_memory(cfg: DictConfig, topology: Topology) -> None:
     """Refuse a training run whose planned per-rank memory (plan.py's estimate of this layout, on the meta device)
-    exceeds the device's: the GPU's (cluster.gpu_memory_gb, else the visible one's, with plan's headroom), or on
+    exceeds the device's: the GPU's (cluster.gpu_memory_gb, else the smallest one's here, with plan's headroom), or on
     CPU the host's available RAM shared by the node's ranks. The kernel's OOM killer would end it with no word."""
     from mlproject.core.resolvers import on_gpu
     from mlproject.plan import HEADROOM, device_memory, largest, size
