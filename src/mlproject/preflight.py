@@ -135,10 +135,11 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     args = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+    gathered = f", {size(row.gathered)} FSDP's largest unit gathered" if row.gathered else ""
     raise ConfigError(
-        f"{row.layout} needs {size(row.total)} per rank ({size(row.states)} model states, {size(row.activations)} "
-        f'activations), more than this {where}: {size(memory)}; `make plan ARGS="{args}"` shows the layouts '
-        "that fit (cluster.check_memory=false skips this check)"
+        f"{row.layout} needs {size(row.total)} per rank ({size(row.states)} model states{gathered}, "
+        f"{size(row.activations)} activations), more than this {where}: {size(memory)}; "
+        f'`make plan ARGS="{args}"` shows the layouts that fit (cluster.check_memory=false skips this check)'
     )
 
 
