@@ -18,6 +18,7 @@ from mlproject import plan as planner
 from mlproject import submit
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.topology import Topology
+from tests.helpers.gpt import TINY_GPT
 
 GiB = 2**30
 # GPTs of width 768 on windows of 64 tokens: 12 blocks are ~85M parameters (12 x 12 x 768^2, plus embeddings and
@@ -73,23 +74,25 @@ def test_adam_costs_16_bytes_per_parameter_under_ddp(plans):
 @pytest.mark.parametrize(
     ("blocks", "ranks", "memory_gib", "layout"),
     [
-        # 85M on 8 ranks, per rank (GiB): activations 0.66, model states: DDP 1.27, ZeRO-2 0.34, FSDP 0.16,
-        # ZeRO-3 0.19 (DeepSpeed's 18 bytes a parameter and the largest layer), ZeRO-3 + offload 0.01; a total
-        # fits under 90% of the memory
+        # 85M on 8 ranks, per rank (GiB): activations 0.66, model states: DDP 1.27, ZeRO-2 0.34, FSDP 0.16 and
+        # 0.03 for a block gathered (fp32), ZeRO-3 0.19 (DeepSpeed's 18 bytes a parameter and the largest layer),
+        # ZeRO-3 + offload 0.01; a total fits under 90% of the memory
         (12, 8, 3.0, "strategy=ddp"),  # 1.94 fits
         (12, 8, 1.5, "strategy=deepspeed_stage_2"),  # DDP does not; ZeRO-2 (1.00) does, with DDP's traffic
-        (12, 8, 1.0, "strategy=fsdp"),  # ZeRO-2 does not, FSDP over 8 (0.82) does
+        (12, 8, 1.0, "strategy=fsdp"),  # ZeRO-2 does not, FSDP over 8 (0.85) does
         (12, 64, 1.5, "strategy=deepspeed_stage_2"),  # more ranks do not make DDP smaller
-        (12, 64, 0.92, "strategy=hsdp"),  # ZeRO-2 over 64 (0.84) does not fit; FSDP in each node of 8 (0.82) does
-        (12, 64, 0.8, "strategy=fsdp"),  # ... and where that does not, FSDP over 64 (0.68)
-        (12, 8, 0.8, "strategy=deepspeed_stage_3_offload"),  # FSDP over 8 needs 0.82, ZeRO-3 0.85
+        # ZeRO-2 over 64 (0.843) does not fit, nor does FSDP in each node of 8 (HSDP, 0.847), FSDP over 64 (0.71) does
+        (12, 64, 0.92, "strategy=fsdp"),
+        # 170M on 64: ZeRO-2 (1.680) does not fit, HSDP (1.662: a block is 1/24 of the model) does
+        (24, 64, 1.855, "strategy=hsdp"),
+        (12, 8, 0.8, "strategy=deepspeed_stage_3_offload"),  # FSDP over 8 needs 0.85, ZeRO-3 0.85
         (12, 1, 1.5, "strategy=deepspeed_stage_3_offload"),  # one GPU: offload is the only way down
         (12, 1, 3.0, "strategy=single"),
         (12, 8, 0.5, None),  # activations alone need 0.66: nothing fits
         # the model's size flips it on the same cluster: 43M fits DDP (0.97) where 85M needs ZeRO-2 ...
         (6, 8, 1.5, "strategy=ddp"),
-        # ... and 170M (activations 1.32) on 8 nodes a pipeline stage of 3 blocks per node (0.46), where ZeRO-2
-        # (1.68) and HSDP (1.64) do not fit; 85M's 12 blocks make no 8 stages, and ZeRO-2 fits it (above)
+        # ... and 170M (activations 1.32) on 8 nodes a pipeline stage of 3 blocks per node (0.49), where ZeRO-2
+        # (1.68) and HSDP (1.66) do not fit; 85M's 12 blocks make no 8 stages, and ZeRO-2 fits it (above)
         (24, 64, 1.5, PP_8),
     ],
 )
@@ -121,9 +124,10 @@ def test_hsdp_across_nodes_tensor_parallel_inside_a_node_and_fsdp_without_a_plan
 
 def test_experts_split_where_the_model_has_them(compose_cfg):
     """model=gpt_moe (4 experts of every block): each FSDP layout comes first with the experts split over 4
-    ranks of a node (as many bytes per rank, less traffic: a rank gathers only its own experts' weights).
-    FSDP2 splits a stacked expert tensor by rows, 1 per rank on ranks 0-3 of 8: rank 0 holds a quarter of the
-    experts however many ranks shard them, where ZeRO-3 splits every tensor evenly, so there ZeRO-3 fits first."""
+    ranks of a node (as many bytes of model states per rank, less traffic and a smaller gather: a rank gathers
+    only its own experts' weights). FSDP2 splits a stacked expert tensor by rows, 1 per rank on ranks 0-3 of 8:
+    rank 0 holds a quarter of the experts however many ranks shard them, where ZeRO-3 splits every tensor
+    evenly, so there ZeRO-3 fits first."""
     moe = [*WIDE, "model=gpt_moe", "model.net.n_layer=4"]  # ~85M parameters, 75M of them in experts
     ep = "strategy.expert_parallel_size=4"
     cfg = compose_cfg(*moe, *world(64))
@@ -134,9 +138,15 @@ def test_experts_split_where_the_model_has_them(compose_cfg):
         ["strategy=fsdp"],
     ]
     result = plan_of(*moe, *world(8))
-    assert row(result, f"strategy=fsdp {ep}").states == row(result, "strategy=fsdp").states
-    # totals (GiB): ZeRO-2 0.85, FSDP with or without EP 0.82, ZeRO-3 0.77; a total fits under 90%
-    for memory_gib, layout in [(0.93, f"strategy=fsdp {ep}"), (0.88, "strategy=deepspeed_stage_3")]:
+    split, whole = row(result, f"strategy=fsdp {ep}"), row(result, "strategy=fsdp")
+    assert split.states == whole.states
+    # The largest unit gathered (fp32), rows padded to the shard group as FSDP2 pads them. Without EP: a block,
+    # its 4 experts' two weights padded to 8 rows (1 on each of 8 ranks) and the attention; with EP: one
+    # expert module, its rank's expert padded to 2 rows over its shard group of 2
+    expert = 2 * 768 * 3072 * 4
+    assert split.gathered == 2 * expert and whole.gathered > 8 * expert
+    # totals (GiB): ZeRO-2 0.855, FSDP with EP 0.852 and without 0.97, ZeRO-3 0.77; a total fits under 90%
+    for memory_gib, layout in [(0.948, f"strategy=fsdp {ep}"), (0.88, "strategy=deepspeed_stage_3")]:
         assert dataclasses.replace(result, memory=int(memory_gib * GiB)).recommended.layout == layout
 
 
@@ -229,3 +239,26 @@ def test_ema_holds_one_more_copy_of_the_weights(compose_cfg):
         ema = planner.estimate(compose_cfg(*small, *world(8), strategy, "callbacks=[default,ema]"))
         assert plain.ema == 0 and ema.ema == ema.params == plain.params
         assert ema.states == plain.states + plain.params
+
+
+@pytest.mark.parametrize(
+    ("precision", "gather"),
+    [("bf16-mixed", 2), ("bf16-mixed strategy.fsdp.param_dtype=float32", 4), ("16-mixed", 4), ("32-true", 4)],
+)
+def test_fsdp_holds_fp32_shards_and_gathers_its_largest_unit_in_the_compute_dtype(compose_cfg, precision, gather):
+    """The tiny GPT (width 32, 2 blocks, 256 byte ids, windows of 32) under fsdp on 2 ranks, by hand. Its FSDP
+    units: each block (norms 2 x 64, q/k/v/proj 4 x (32 x 32 + 32), fc 32 x 128 + 128, proj 128 x 32 + 32) and
+    the root, the rest (token and position embeddings 256 x 32 and 32 x 32, the final norm 64, the head 256 x 32).
+    Rank 0 keeps half of every tensor (all rows even) in fp32 under mixed precision too (FSDP's master weights),
+    with their fp32 gradients, AdamW's two fp32 moments and a 4-byte step count per tensor (37 tensors). The
+    root, the largest unit, is gathered whole in bf16 under bf16-mixed (fsdp.param_dtype's default there), else
+    in fp32 (under 16-mixed autocast casts each op's inputs; the gather stays fp32)."""
+    block = 2 * 64 + 4 * (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+    root = 256 * 32 + 32 * 32 + 64 + 256 * 32
+    half, tensors = (root + 2 * block) // 2, 5 + 2 * 16
+    overrides = [*TINY_GPT, "trainer.accelerator=cpu", "strategy=fsdp", "trainer.devices=2"]
+    overrides += f"trainer.precision={precision}".split()
+    row = planner.estimate(compose_cfg(*overrides))
+    assert (row.params, row.grads, row.optimizer) == (4 * half, 4 * half, 2 * 4 * half + 4 * tensors)
+    assert row.gathered == gather * root
+    assert row.total == 16 * half + 4 * tensors + gather * root + row.activations

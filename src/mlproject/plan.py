@@ -42,10 +42,11 @@ class Row:
     grads: int | None = None
     optimizer: int | None = None
     ema: int = 0  # callbacks.ema: one more copy of the trainable parameters, sharded like them
+    gathered: int = 0  # FSDP's largest unit all-gathered, whole, in the dtype it computes in
 
     @property
     def total(self) -> int:
-        return self.states + self.activations
+        return self.states + self.gathered + self.activations
 
 
 @contextmanager
@@ -74,22 +75,29 @@ def meta_model(cfg: DictConfig):
     return model.to(dtype) if dtype else model
 
 
-def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int]:
-    """(parameter, gradient, optimizer-state, EMA) bytes on this rank under a torch strategy (single, ddp, fsdp, tp,
-    fsdp_tp, hsdp, expert and pipeline parallel): DDP replicates, model-parallel layouts run the model's
-    configure_model on the target mesh (under pp: this rank's stages only, each sharded over its stage's ranks)."""
+def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int, int]:
+    """(parameter, gradient, optimizer-state, EMA, gathered) bytes on this rank under a torch strategy (single, ddp,
+    fsdp, tp, fsdp_tp, hsdp, expert and pipeline parallel): DDP replicates, model-parallel layouts run the model's
+    configure_model on the target mesh (under pp: this rank's stages only, each sharded over its stage's ranks)
+    with the FSDP settings training applies (bf16-mixed: bf16 gathers). Sharded parameters, gradients and AdamW's
+    moments stay in the stored dtype (fp32 under mixed precision: FSDP's master weights)."""
     import torch
     from hydra.utils import instantiate
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
     from mlproject.distributed.parallel import local_bytes, named_meshes
 
-    model = meta_model(cfg)
+    model, gathered = meta_model(cfg), 0
     if topology.model_parallel:
         # configure_model asks the trainer for its strategy and the strategy for its meshes, nothing more
         strategy = instantiate(cfg.strategy)
         strategy.meshes = named_meshes(topology, "cpu")
+        precision = str(cfg.trainer.precision)
+        if precision.endswith("-mixed"):  # what fsdp_settings reads (Lightning's plugin for this precision)
+            strategy.precision_plugin = MixedPrecision(precision, "cpu")
         model.trainer = SimpleNamespace(strategy=strategy)
         model.configure_model()
+        gathered = gathered_bytes(model, strategy.fsdp_settings)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)  # gradients are shaped and sharded like their parameters
@@ -97,7 +105,36 @@ def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, in
     optimizer.step()  # Adam creates its state at the first step
     state = (v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     ema = local_bytes(params) if ema_configured(cfg) else 0  # callbacks/ema.py clones each trainable parameter
-    return local_bytes(model.parameters()), local_bytes(p.grad for p in params), local_bytes(state), ema
+    return local_bytes(model.parameters()), local_bytes(p.grad for p in params), local_bytes(state), ema, gathered
+
+
+def gathered_bytes(model, fsdp: dict | None) -> int:
+    """Bytes of the largest FSDP unit's parameters all-gathered (a unit: a module fully_shard was applied to, with
+    the parameters of no unit inside it): a rank holds them whole while the unit runs, in the dtype FSDP gathers in
+    (`param_dtype`, else as stored), rows padded to a multiple of the shard group as FSDP2 pads them. 0 without
+    FSDP. Under TP a gather makes the TP shard whole, no more."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    if fsdp is None:
+        return 0
+    dtype = getattr(torch, fsdp["param_dtype"]) if fsdp.get("param_dtype") else None
+    pipeline = getattr(model, "pipeline", None)  # its stage views are the roots of FSDP units, outside model
+    units = [m for m in [*model.modules(), *(pipeline.views.values() if pipeline else ())] if isinstance(m, FSDPModule)]
+
+    def whole(p) -> int:  # FSDP made p a DTensor; its shard dimensions carry named_meshes' names
+        mesh = p.device_mesh
+        ranks = math.prod(
+            mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names) if name in ("shard", "expert_shard")
+        )
+        return p.to_local().numel() * ranks * (dtype or p.dtype).itemsize  # rank 0's shard, the largest, x ranks
+
+    largest = 0
+    for unit in units:
+        inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+        own = {id(p): p for p in unit.parameters() if id(p) not in inner}
+        largest = max(largest, sum(whole(p) for p in own.values()))
+    return largest
 
 
 def ema_configured(cfg: DictConfig) -> bool:
@@ -208,8 +245,8 @@ def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
         if topology.strategy == "deepspeed":
             stage, offload = int(cfg.strategy.get("stage", 2)), bool(cfg.strategy.get("offload"))
             return Row(layout, deepspeed_states(cfg, topology, stage, offload), activations)
-        params, grads, optimizer, ema = model_states(cfg, topology)
-    return Row(layout, params + grads + optimizer + ema, activations, params, grads, optimizer, ema)
+        params, grads, optimizer, ema, gathered = model_states(cfg, topology)
+    return Row(layout, params + grads + optimizer + ema, activations, params, grads, optimizer, ema, gathered)
 
 
 def largest(cfg: DictConfig, layout: str) -> Row:
@@ -281,13 +318,12 @@ def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
 
 
 def device_memory(cfg: DictConfig) -> int | None:
-    """Bytes of one target GPU: cluster.gpu_memory_gb, else the first visible GPU's, else unknown."""
-    import torch
+    """Bytes of one target GPU: cluster.gpu_memory_gb, else the smallest GPU's here, else unknown. Read through
+    NVML (gpu_memory): preflight asks in the launching process, before Lightning starts the ranks."""
+    from mlproject.core.resolvers import gpu_memory
 
     gb = (cfg.get("cluster") or {}).get("gpu_memory_gb")
-    if gb:
-        return int(gb * GiB)
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return int(gb * GiB) if gb else gpu_memory()
 
 
 @dataclass(frozen=True)
@@ -335,22 +371,26 @@ def print_plan(result: Plan) -> None:
         f"{size(result.memory)} per device" if result.memory else "device memory unknown: set cluster.gpu_memory_gb"
     )
     table = Table(title=f"per rank of {result.topology.world_size}; {memory}", title_justify="left")
-    ema = any(row.ema for row in [result.configured, *result.rows])
-    for column in ("layout", "params", "grads", "optimizer", *(["ema"] if ema else []), "activations", "total", "fits"):
+    rows = [result.configured, *result.rows]
+    ema, gathered = any(row.ema for row in rows), any(row.gathered for row in rows)
+    extra = [*(["ema"] if ema else []), *(["gathered"] if gathered else [])]
+    for column in ("layout", "params", "grads", "optimizer", *extra, "activations", "total", "fits"):
         table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
     best = result.recommended
-    for row in [result.configured, *result.rows]:
+    for row in rows:
         label = row.layout.replace("strategy=", "").replace("strategy.tensor_parallel_size=", "tp=")
         label = label.replace("strategy.pipeline_parallel_size=", "pp=").replace("strategy.pipeline.", "")
         mark = " (configured)" if row is result.configured else " <- use" if row is best else ""
         fits = {None: "?", True: "yes", False: "no"}[result.fits(row)]
         cells = [size(c) if c is not None else "-" for c in (row.params, row.grads, row.optimizer)]
         cells += [size(row.ema)] if ema else []
+        cells += [size(row.gathered) if row.gathered else "-"] if gathered else []
         table.add_row(label + mark, *cells, size(row.activations), size(row.total), fits)
-    Console(width=max(Console().width, 100)).print(table)
+    Console(width=max(Console().width, 112)).print(table)
     print(
         "params/grads/optimizer: the real sharding on a fake process group (DeepSpeed: its estimator, the three in "
-        "one); activations: saved for backward by one micro-batch's training step, under pp by the micro-batches its "
+        "one, with its largest layer gathered); gathered: FSDP's largest unit all-gathered, in the dtype it computes "
+        "in; activations: saved for backward by one micro-batch's training step, under pp by the micro-batches its "
         "schedule keeps in flight (docs/planning.md); pp: the first or the last stage, whichever holds more"
     )
     if best is None and result.memory:

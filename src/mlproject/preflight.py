@@ -98,7 +98,7 @@ def available_ram() -> int | None:
 
 def check_memory(cfg: DictConfig, topology: Topology) -> None:
     """Refuse a training run whose planned per-rank memory (plan.py's estimate of this layout, on the meta device)
-    exceeds the device's: the GPU's (cluster.gpu_memory_gb, else the visible one's, with plan's headroom), or on
+    exceeds the device's: the GPU's (cluster.gpu_memory_gb, else the smallest one's here, with plan's headroom), or on
     CPU the host's available RAM shared by the node's ranks. The kernel's OOM killer would end it with no word."""
     from mlproject.core.resolvers import on_gpu
     from mlproject.plan import HEADROOM, device_memory, largest, size
@@ -135,10 +135,11 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     args = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+    gathered = f", {size(row.gathered)} FSDP's largest unit gathered" if row.gathered else ""
     raise ConfigError(
-        f"{row.layout} needs {size(row.total)} per rank ({size(row.states)} model states, {size(row.activations)} "
-        f'activations), more than this {where}: {size(memory)}; `make plan ARGS="{args}"` shows the layouts '
-        "that fit (cluster.check_memory=false skips this check)"
+        f"{row.layout} needs {size(row.total)} per rank ({size(row.states)} model states{gathered}, "
+        f"{size(row.activations)} activations), more than this {where}: {size(memory)}; "
+        f'`make plan ARGS="{args}"` shows the layouts that fit (cluster.check_memory=false skips this check)'
     )
 
 

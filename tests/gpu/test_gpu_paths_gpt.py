@@ -38,16 +38,20 @@ def test_fsdp_cpu_offload_trains_like_fsdp(tmp_path):
     torch.testing.assert_close(losses[True], losses[False], rtol=2**-7, atol=0)
 
 
-def test_precision_default_reads_the_gpu_without_initialising_cuda():
+def test_precision_and_memory_read_the_gpu_without_initialising_cuda():
     code = (
-        "import json, torch; from mlproject.core.resolvers import default_precision, gpu_capability\n"
-        "p = default_precision('gpu'); print(json.dumps([p, gpu_capability(), torch.cuda.is_initialized()]))"
+        "import json, torch; from mlproject.core.resolvers import default_precision, gpu_capability, gpu_memory\n"
+        "p = default_precision('gpu')\n"
+        "print(json.dumps([p, gpu_capability(), gpu_memory(), torch.cuda.is_initialized()]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True
     )
-    precision, capability, initialised = json.loads(out.stdout.splitlines()[-1])
+    precision, capability, memory, initialised = json.loads(out.stdout.splitlines()[-1])
     assert tuple(capability) == torch.cuda.get_device_capability(0) and not initialised
+    # NVML's total includes what the driver reserves, a few hundred MiB that CUDA's does not (plan's headroom)
+    cuda = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    assert cuda <= memory <= 1.02 * cuda
     native = torch.cuda.is_bf16_supported(including_emulation=False)
     assert precision == ("bf16-mixed" if native else "16-mixed")
 

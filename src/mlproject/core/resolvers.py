@@ -43,11 +43,15 @@ def on_gpu(accelerator: str) -> bool:
     return accelerator == "auto" and torch.cuda.is_available()
 
 
-def gpu_capability() -> tuple[int, int] | None:
-    """The lowest CUDA compute capability among this machine's GPUs, asked of NVML (the driver's management
-    library): CUDA's own answer (torch.cuda.get_device_capability) initialises CUDA in a process that has no
-    device yet, before Lightning gives each rank its own. None where NVML is not there."""
+def nvml_gpus() -> list[tuple[tuple[int, int], int]] | None:
+    """(CUDA compute capability, total memory in bytes) of each GPU NVML (the driver's management library) lists.
+    torch.cuda's answers (get_device_capability, get_device_properties) initialise CUDA in a process that has no
+    device yet, before Lightning gives each rank its own: ranks forked from it then fail, and each process holds a
+    context on the first GPU. None where NVML is not there or does not answer. A MIG slice reads as its whole GPU."""
     import ctypes
+
+    class Memory(ctypes.Structure):  # nvmlMemory_t
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
@@ -56,19 +60,32 @@ def gpu_capability() -> tuple[int, int] | None:
     if nvml.nvmlInit_v2() != 0:
         return None
     try:
-        count, caps = ctypes.c_uint(), []
+        count, gpus = ctypes.c_uint(), []
         if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
             return None
         for index in range(count.value):
-            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+            handle, major, minor, memory = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int(), Memory()
+            if (
+                nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
+                or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0
+                or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0
+            ):
                 return None
-            if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0:
-                return None
-            caps.append((major.value, minor.value))
-        return min(caps, default=None)
+            gpus.append(((major.value, minor.value), memory.total))
+        return gpus
     finally:
         nvml.nvmlShutdown()
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest compute capability among this machine's GPUs, read without initialising CUDA (nvml_gpus)."""
+    return min((capability for capability, _ in nvml_gpus() or ()), default=None)
+
+
+def gpu_memory() -> int | None:
+    """Bytes of the smallest GPU on this machine, read without initialising CUDA (nvml_gpus); None if unknown.
+    NVML's total counts the few hundred MiB the driver reserves, which CUDA cannot allocate (plan's headroom)."""
+    return min((memory for _, memory in nvml_gpus() or ()), default=None)
 
 
 def precision_for(capability: tuple[int, int]) -> str:
