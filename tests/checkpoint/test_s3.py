@@ -106,3 +106,39 @@ def test_s3_retention_keeps_the_checkpoint_a_run_resumed_from(s3, tmp_path):
     assert s3.exists(source), "retention deleted the checkpoint the run resumed from"
     names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/ret"))
     assert names == ["epoch_000.ckpt", "epoch_002.ckpt", "last.ckpt"], names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
+    """fsdp on 2 processes writes its DCP folders into the bucket (through DCP's fsspec writer) until rank 0 is
+    SIGKILLed at step 10, and resumes from step 8's with ckpt_path=auto bitwise, saving asynchronously. Retention
+    removes each replaced best checkpoint's whole folder."""
+    from tests.checkpoint.test_sharded import FSDP2
+
+    run = [*FSDP2, "callbacks.last_checkpoint.every_n_train_steps=4", *ckpt_dir("fsdp")]
+    keep_one = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1"]
+
+    def killed():
+        proc = train(tmp_path, "fsdp", *run, *keep_one, "ckpt_path=auto", *kill_at(10, 0), check=False)
+        assert proc.returncode != 0
+        assert load_full(f"s3://{BUCKET}/fsdp/last.ckpt")["global_step"] == 8
+        async_save = "callbacks.model_checkpoint.async_save=true"
+        train(tmp_path, "fsdp", *run, *keep_one, async_save, "ckpt_path=auto")
+
+    together(lambda: train(tmp_path, "straight", *FSDP2), killed)
+    want = weights(run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt")
+    got = load_full(f"s3://{BUCKET}/fsdp/last.ckpt")
+    assert got["global_step"] == 18
+    assert not (run_dir(tmp_path, "fsdp") / "checkpoints").exists()  # nothing went to a local folder
+    assert_bitwise(want, got["state_dict"])
+    # epoch 0's best checkpoint (the killed run's) and epoch 1's were replaced: no object of their folders is
+    # left, nor of a .tmp
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/fsdp"))
+    assert names == ["epoch_002.ckpt", "last.ckpt"], names
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/fsdp/last.ckpt")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+    ]
