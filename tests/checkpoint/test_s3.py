@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from mlproject.checkpoint.convert import export, load_full
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, strategy, train, weights
-from tests.helpers.processes import free_port, together
+from tests.helpers.processes import free_port, run_dirs, run_in_process, together
 
 BUCKET = "ckpts"
 
@@ -142,3 +142,22 @@ def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
         "__1_0.distcp",
         "meta.pt",
     ]
+
+
+def test_deepspeed_with_a_bucket_fails_at_start_in_one_line(tmp_path):
+    """DeepSpeed writes its folders with local file I/O: a URL ckpt_dir stops before any process starts."""
+    code, stderr = run_in_process(
+        "train",
+        "trainer=cpu",
+        *strategy("deepspeed_stage_2", 2),
+        *ckpt_dir("ds"),
+        "extras.print_config=false",
+        log_dir=tmp_path,
+    )
+    assert code == 2
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert lines == [
+        f"error: paths.ckpt_dir=s3://{BUCKET}/ds: DeepSpeed writes its checkpoint folders with local file I/O, not "
+        "to object storage; set paths.ckpt_dir to a local or shared-filesystem directory."
+    ], stderr
+    assert not run_dirs(tmp_path)
