@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from mlproject.checkpoint.convert import export, load_full
@@ -161,3 +162,40 @@ def test_deepspeed_with_a_bucket_fails_at_start_in_one_line(tmp_path):
         "to object storage; set paths.ckpt_dir to a local or shared-filesystem directory."
     ], stderr
     assert not run_dirs(tmp_path)
+
+
+def test_sharded_folders_in_a_bucket_are_replaced_and_resumed_whole(s3, tmp_path):
+    """A DCP folder in object storage is complete while it holds .metadata: replace_checkpoint copies it last
+    and removes the old folder's first, so a crash in between leaves the complete .tmp, which auto resumes."""
+    from mlproject.checkpoint.resume import resolve_ckpt_path
+    from mlproject.checkpoint.storage import remove_remote, replace_checkpoint
+
+    root = f"s3://{BUCKET}/unit"
+    last, tmp = f"{root}/last.ckpt", f"{root}/last.ckpt.tmp"
+
+    def write(url: str, step: int, complete: bool = True) -> None:
+        s3.pipe(f"{url}/__0_0.distcp", b"shard")
+        with s3.open(f"{url}/meta.pt", "wb") as f:
+            torch.save({"global_step": step}, f)
+        if complete:
+            s3.pipe(f"{url}/.metadata", b"metadata")
+
+    def step(url: str) -> int:
+        with s3.open(f"{url}/meta.pt", "rb") as f:
+            return torch.load(f)["global_step"]
+
+    write(tmp, 1, complete=False)  # a first save killed while writing: start fresh
+    assert resolve_ckpt_path("auto", tmp_path, root) is None
+    write(tmp, 1)
+    replace_checkpoint(tmp, last)
+    write(tmp, 2)
+    replace_checkpoint(tmp, last)  # over an existing folder: replaced, not nested inside it
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(last)) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert not s3.exists(tmp) and step(last) == 2
+    assert resolve_ckpt_path("auto", tmp_path, root) == last
+    write(tmp, 3)
+    s3.rm(f"{last}/.metadata")  # killed inside replace_checkpoint, after the old folder lost its .metadata
+    assert resolve_ckpt_path("auto", tmp_path, root) == tmp
+    remove_remote(last)
+    remove_remote(tmp)
+    assert not s3.find(root)

@@ -27,6 +27,7 @@ def checkpoint_format(path: str | Path) -> str:
 
         url = str(path).rstrip("/")
         fs, _ = url_to_fs(url)
+        fs.invalidate_cache()  # written by other processes since this one listed it
         if fs.isfile(url):
             with fs.open(url, "rb") as f:
                 return _check_zip(path, f)

@@ -43,6 +43,7 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
         from fsspec.core import url_to_fs
 
         fs, root = url_to_fs(src)
+        fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
         if not fs.isdir(src):
             fs.mv(src, dst)
             return
@@ -69,6 +70,7 @@ def remove_remote(url: str) -> None:
     from fsspec.core import url_to_fs
 
     fs, _ = url_to_fs(url)
+    fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
     if fs.isdir(url):
         if fs.exists(f"{url}/.metadata"):
             fs.rm(f"{url}/.metadata")
