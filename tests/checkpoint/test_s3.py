@@ -135,6 +135,8 @@ def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
     got = load_full(f"s3://{BUCKET}/fsdp/last.ckpt")
     assert got["global_step"] == 18
     assert not (run_dir(tmp_path, "fsdp") / "checkpoints").exists()  # nothing went to a local folder
+    export(f"s3://{BUCKET}/fsdp/last.ckpt", tmp_path / "fsdp.safetensors")  # export reads a bucket's folder too
+    assert_bitwise(load_file(tmp_path / "fsdp.safetensors"), net_weights(want))
     assert_bitwise(want, got["state_dict"])
     # epoch 0's best checkpoint (the killed run's) and epoch 1's were replaced: no object of their folders is
     # left, nor of a .tmp
