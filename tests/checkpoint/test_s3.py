@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from mlproject.checkpoint.convert import export, load_full
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, strategy, train, weights
-from tests.helpers.processes import free_port, run_dirs, run_in_process, together
+from tests.helpers.processes import free_port, read_metrics, run, run_dirs, run_in_process, together
 
 BUCKET = "ckpts"
 
@@ -120,15 +120,15 @@ def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
     removes each replaced best checkpoint's whole folder."""
     from tests.checkpoint.test_sharded import FSDP2
 
-    run = [*FSDP2, "callbacks.last_checkpoint.every_n_train_steps=4", *ckpt_dir("fsdp")]
+    setup = [*FSDP2, "callbacks.last_checkpoint.every_n_train_steps=4", *ckpt_dir("fsdp")]
     keep_one = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1"]
 
     def killed():
-        proc = train(tmp_path, "fsdp", *run, *keep_one, "ckpt_path=auto", *kill_at(10, 0), check=False)
+        proc = train(tmp_path, "fsdp", *setup, *keep_one, "ckpt_path=auto", *kill_at(10, 0), check=False)
         assert proc.returncode != 0
         assert load_full(f"s3://{BUCKET}/fsdp/last.ckpt")["global_step"] == 8
         async_save = "callbacks.model_checkpoint.async_save=true"
-        train(tmp_path, "fsdp", *run, *keep_one, async_save, "ckpt_path=auto")
+        train(tmp_path, "fsdp", *setup, *keep_one, async_save, "ckpt_path=auto")
 
     together(lambda: train(tmp_path, "straight", *FSDP2), killed)
     want = weights(run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt")
@@ -137,6 +137,15 @@ def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
     assert not (run_dir(tmp_path, "fsdp") / "checkpoints").exists()  # nothing went to a local folder
     export(f"s3://{BUCKET}/fsdp/last.ckpt", tmp_path / "fsdp.safetensors")  # export reads a bucket's folder too
     assert_bitwise(load_file(tmp_path / "fsdp.safetensors"), net_weights(want))
+    # eval too, with the model and data of the run that wrote it (its saved config): the straight run's metrics
+    evaluate = ["trainer=cpu", "extras.print_config=false"]
+    local = run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt"
+    together(
+        lambda: run("eval", *evaluate, f"ckpt_path=s3://{BUCKET}/fsdp/last.ckpt", log_dir=tmp_path / "bucket"),
+        lambda: run("eval", *evaluate, f"ckpt_path={local}", log_dir=tmp_path / "local"),
+    )
+    tested = {where: read_metrics(run_dirs(tmp_path / where, "eval")[0]) for where in ("bucket", "local")}
+    assert tested["bucket"] == tested["local"] and any(k.startswith("test/") for k in tested["bucket"])
     assert_bitwise(want, got["state_dict"])
     # epoch 0's best checkpoint (the killed run's) and epoch 1's were replaced: no object of their folders is
     # left, nor of a .tmp
