@@ -48,8 +48,8 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
             fs.mv(src, dst)
             return
         remove_remote(dst)
-        names = sorted(p[len(root) :] for p in fs.find(src))  # "/.metadata" sorts first: copied last below
-        for name in names[1:] + names[:1]:
+        names = sorted((p[len(root) :] for p in fs.find(src)), key=lambda name: name == "/.metadata")
+        for name in names:  # .metadata last
             fs.copy(src + name, dst + name)
         remove_remote(src)
         return
