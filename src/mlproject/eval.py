@@ -23,9 +23,10 @@ def with_checkpoint_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> Di
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from mlproject.checkpoint.convert import load_full, run_config
+    from mlproject.checkpoint.convert import is_remote, load_full, run_config
 
-    if not Path(str(cfg.ckpt_path)).exists() or not (saved := run_config(load_full(cfg.ckpt_path))):
+    ckpt = str(cfg.ckpt_path)
+    if not (is_remote(ckpt) or Path(ckpt).exists()) or not (saved := run_config(load_full(ckpt))):
         return cfg
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     chosen = {o.key_or_group for o in parsed}

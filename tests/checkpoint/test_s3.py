@@ -11,11 +11,12 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from mlproject.checkpoint.convert import export, load_full
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, strategy, train, weights
-from tests.helpers.processes import free_port, together
+from tests.helpers.processes import free_port, read_metrics, run, run_dirs, run_in_process, together
 
 BUCKET = "ckpts"
 
@@ -44,6 +45,9 @@ def s3(monkeypatch):
             monkeypatch.setenv(key, value)
         import s3fs
 
+        # fsspec caches filesystems by their arguments, not the endpoint the environment names: this test's
+        # in-process reads (load_full) would reach the previous test's server
+        s3fs.S3FileSystem.clear_instance_cache()
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir(BUCKET)
         yield fs
@@ -106,3 +110,106 @@ def test_s3_retention_keeps_the_checkpoint_a_run_resumed_from(s3, tmp_path):
     assert s3.exists(source), "retention deleted the checkpoint the run resumed from"
     names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/ret"))
     assert names == ["epoch_000.ckpt", "epoch_002.ckpt", "last.ckpt"], names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
+    """fsdp on 2 processes writes its DCP folders into the bucket (through DCP's fsspec writer) until rank 0 is
+    SIGKILLed at step 10, and resumes from step 8's with ckpt_path=auto bitwise, saving asynchronously. Retention
+    removes each replaced best checkpoint's whole folder."""
+    from tests.checkpoint.test_sharded import FSDP2
+
+    setup = [*FSDP2, "callbacks.last_checkpoint.every_n_train_steps=4", *ckpt_dir("fsdp")]
+    keep_one = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1"]
+
+    def killed():
+        proc = train(tmp_path, "fsdp", *setup, *keep_one, "ckpt_path=auto", *kill_at(10, 0), check=False)
+        assert proc.returncode != 0
+        assert load_full(f"s3://{BUCKET}/fsdp/last.ckpt")["global_step"] == 8
+        async_save = "callbacks.model_checkpoint.async_save=true"
+        train(tmp_path, "fsdp", *setup, *keep_one, async_save, "ckpt_path=auto")
+
+    together(lambda: train(tmp_path, "straight", *FSDP2), killed)
+    want = weights(run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt")
+    got = load_full(f"s3://{BUCKET}/fsdp/last.ckpt")
+    assert got["global_step"] == 18
+    assert not (run_dir(tmp_path, "fsdp") / "checkpoints").exists()  # nothing went to a local folder
+    export(f"s3://{BUCKET}/fsdp/last.ckpt", tmp_path / "fsdp.safetensors")  # export reads a bucket's folder too
+    assert_bitwise(load_file(tmp_path / "fsdp.safetensors"), net_weights(want))
+    # eval too, with the model and data of the run that wrote it (its saved config): the straight run's metrics
+    evaluate = ["trainer=cpu", "extras.print_config=false"]
+    local = run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt"
+    together(
+        lambda: run("eval", *evaluate, f"ckpt_path=s3://{BUCKET}/fsdp/last.ckpt", log_dir=tmp_path / "bucket"),
+        lambda: run("eval", *evaluate, f"ckpt_path={local}", log_dir=tmp_path / "local"),
+    )
+    tested = {where: read_metrics(run_dirs(tmp_path / where, "eval")[0]) for where in ("bucket", "local")}
+    assert tested["bucket"] == tested["local"] and any(k.startswith("test/") for k in tested["bucket"])
+    assert_bitwise(want, got["state_dict"])
+    # epoch 0's best checkpoint (the killed run's) and epoch 1's were replaced: no object of their folders is
+    # left, nor of a .tmp
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/fsdp"))
+    assert names == ["epoch_002.ckpt", "last.ckpt"], names
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/fsdp/last.ckpt")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+    ]
+
+
+def test_deepspeed_with_a_bucket_fails_at_start_in_one_line(tmp_path):
+    """DeepSpeed writes its folders with local file I/O: a URL ckpt_dir stops before any process starts."""
+    code, stderr = run_in_process(
+        "train",
+        "trainer=cpu",
+        *strategy("deepspeed_stage_2", 2),
+        *ckpt_dir("ds"),
+        "extras.print_config=false",
+        log_dir=tmp_path,
+    )
+    assert code == 2
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert lines == [
+        f"error: paths.ckpt_dir=s3://{BUCKET}/ds: DeepSpeed writes its checkpoint folders with local file I/O, not "
+        "to object storage; set paths.ckpt_dir to a local or shared-filesystem directory."
+    ], stderr
+    assert not run_dirs(tmp_path)
+
+
+def test_sharded_folders_in_a_bucket_are_replaced_and_resumed_whole(s3, tmp_path):
+    """A DCP folder in object storage is complete while it holds .metadata: replace_checkpoint copies it last
+    and removes the old folder's first, so a crash in between leaves the complete .tmp, which auto resumes."""
+    from mlproject.checkpoint.resume import resolve_ckpt_path
+    from mlproject.checkpoint.storage import remove_remote, replace_checkpoint
+
+    root = f"s3://{BUCKET}/unit"
+    last, tmp = f"{root}/last.ckpt", f"{root}/last.ckpt.tmp"
+
+    def write(url: str, step: int, complete: bool = True) -> None:
+        s3.pipe(f"{url}/__0_0.distcp", b"shard")
+        with s3.open(f"{url}/meta.pt", "wb") as f:
+            torch.save({"global_step": step}, f)
+        if complete:
+            s3.pipe(f"{url}/.metadata", b"metadata")
+
+    def step(url: str) -> int:
+        with s3.open(f"{url}/meta.pt", "rb") as f:
+            return torch.load(f)["global_step"]
+
+    write(tmp, 1, complete=False)  # a first save killed while writing: start fresh
+    assert resolve_ckpt_path("auto", tmp_path, root) is None
+    write(tmp, 1)
+    replace_checkpoint(tmp, last)
+    write(tmp, 2)
+    replace_checkpoint(tmp, last)  # over an existing folder: replaced, not nested inside it
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(last)) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert not s3.exists(tmp) and step(last) == 2
+    assert resolve_ckpt_path("auto", tmp_path, root) == last
+    write(tmp, 3)
+    s3.rm(f"{last}/.metadata")  # killed inside replace_checkpoint, after the old folder lost its .metadata
+    assert resolve_ckpt_path("auto", tmp_path, root) == tmp
+    remove_remote(last)
+    remove_remote(tmp)
+    assert not s3.find(root)

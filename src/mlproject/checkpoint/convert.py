@@ -22,14 +22,20 @@ def is_remote(path: str | Path) -> bool:
 
 def checkpoint_format(path: str | Path) -> str:
     """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
-    if is_remote(path):  # object storage holds single files only (ModelCheckpoint.setup)
+    if is_remote(path):  # single files and sharded directories (ModelCheckpoint.setup)
         from fsspec.core import url_to_fs
 
-        fs, _ = url_to_fs(str(path))
-        if not fs.isfile(str(path)):
-            raise CheckpointError(f"{path} does not exist (or is not a single-file checkpoint)")
-        with fs.open(str(path), "rb") as f:
-            return _check_zip(path, f)
+        url = str(path).rstrip("/")
+        fs, _ = url_to_fs(url)
+        fs.invalidate_cache()  # written by other processes since this one listed it
+        if fs.isfile(url):
+            with fs.open(url, "rb") as f:
+                return _check_zip(path, f)
+        if fs.isfile(f"{url}/meta.pt") and fs.isfile(f"{url}/.metadata"):  # .metadata comes last (storage.py)
+            return "sharded"
+        if fs.isdir(url):
+            raise CheckpointError(f"{path} is a directory but not a complete sharded checkpoint")
+        raise CheckpointError(f"{path} does not exist")
     path = Path(path)
     if path.is_file():
         return _check_zip(path, path)
@@ -113,11 +119,17 @@ def load_full(path: str | Path) -> dict[str, Any]:
     """The checkpoint at `path` (a local path or an fsspec URL) as a Lightning checkpoint dict on the CPU,
     with full (unsharded) tensors."""
     if is_remote(path):
-        import fsspec
+        import tempfile
 
-        checkpoint_format(path)
-        with fsspec.open(str(path), "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=False)
+        import fsspec
+        from fsspec.core import url_to_fs
+
+        if checkpoint_format(path) == "file":
+            with fsspec.open(str(path), "rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=False)
+        with tempfile.TemporaryDirectory() as tmp:  # a sharded directory: read in full here anyway
+            url_to_fs(str(path))[0].get(f"{str(path).rstrip('/')}/", f"{tmp}/", recursive=True)
+            return _from_sharded(Path(tmp))
     path = Path(path)
     fmt = checkpoint_format(path)
     if fmt == "file":

@@ -13,12 +13,21 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path, ckpt_dir: str 
     `<run_dir>/checkpoints`. Any other value is an explicit path. Either way a damaged checkpoint stops here
     with a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
     from mlproject.checkpoint.convert import checkpoint_format, is_remote
+    from mlproject.core.errors import CheckpointError
 
     if ckpt_path == "auto" and ckpt_dir and is_remote(ckpt_dir):
         from fsspec.core import url_to_fs
 
+        def complete(url: str) -> bool:
+            try:
+                return bool(checkpoint_format(url))
+            except CheckpointError:
+                return False
+
         last = f"{ckpt_dir.rstrip('/')}/last.ckpt"
-        ckpt_path = last if url_to_fs(last)[0].exists(last) else None
+        # a crash while a sharded last.ckpt was replaced leaves the complete last.ckpt.tmp (storage.replace_checkpoint)
+        done = [url for url in (last, f"{last}.tmp") if complete(url)]
+        ckpt_path = done[0] if done else last if url_to_fs(last)[0].exists(last) else None
     if ckpt_path == "auto":
         last = Path(run_dir) / "checkpoints" / "last.ckpt"
         aside = Path(f"{last}.old")  # a crash between the two renames of a directory save (checkpoint/storage.py)

@@ -28,8 +28,11 @@ log = get_logger(__name__)
 def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Move a checkpoint file or directory `src` to `dst`, replacing what is there.
 
-    In object storage (an fsspec URL) the move is a copy then a delete: the object under `dst` changes
-    only once the copy is complete, so readers see the old checkpoint or the new one, never a part.
+    In object storage (an fsspec URL) the move is a copy then a delete: a file's object under `dst` changes
+    only once the copy is complete, so readers see the old checkpoint or the new one, never a part. A sharded
+    directory is complete while it holds DCP's `.metadata`, written last: the old `dst` loses it first and
+    the copy writes it last, and a crash in between leaves the complete `<dst>.tmp`, which
+    `resolve_ckpt_path` resumes from.
 
     A file replaces a file in one atomic rename. rename(2) cannot replace a non-empty directory, so an
     existing `dst` is moved aside to `<dst>.old` first and deleted after; a crash between the two renames
@@ -39,8 +42,16 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     if is_remote(dst):
         from fsspec.core import url_to_fs
 
-        fs, _ = url_to_fs(dst)
-        fs.mv(src, dst)
+        fs, root = url_to_fs(src)
+        fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
+        if not fs.isdir(src):
+            fs.mv(src, dst)
+            return
+        remove_remote(dst)
+        names = sorted((p[len(root) :] for p in fs.find(src)), key=lambda name: name == "/.metadata")
+        for name in names:  # .metadata last
+            fs.copy(src + name, dst + name)
+        remove_remote(src)
         return
     old = dst + ".old"
     shutil.rmtree(old, ignore_errors=True)
@@ -51,6 +62,21 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
         shutil.rmtree(old)
     elif os.path.exists(old):
         os.remove(old)
+
+
+def remove_remote(url: str) -> None:
+    """Remove a checkpoint in object storage; a sharded directory loses its `.metadata` first, so that no
+    partly deleted directory reads as complete (checkpoint_format)."""
+    from fsspec.core import url_to_fs
+
+    fs, _ = url_to_fs(url)
+    fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
+    if fs.isdir(url):
+        if fs.exists(f"{url}/.metadata"):
+            fs.rm(f"{url}/.metadata")
+        fs.rm(url, recursive=True)
+    elif fs.exists(url):
+        fs.rm(url)
 
 
 def save_atomically(trainer, path: str | Path, weights_only: bool = False, background: bool = False) -> None:
@@ -112,15 +138,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        single_file = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-        if (
-            self.dirpath
-            and is_remote(self.dirpath)
-            and (isinstance(trainer.strategy, DeepSpeedStrategy) or not single_file)
-        ):
+        known = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+        deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)  # a DDPStrategy, writing with its own file I/O
+        if self.dirpath and is_remote(self.dirpath) and (deepspeed or not isinstance(trainer.strategy, known)):
             raise CheckpointError(
-                f"checkpoints in object storage ({self.dirpath}) are written by strategy=single or ddp only "
-                "for now; use a local or mounted directory for sharded and DeepSpeed checkpoints"
+                f"paths.ckpt_dir={self.dirpath}: object storage takes the checkpoints of strategy=single, ddp and "
+                "the sharded ones, not DeepSpeed's; set paths.ckpt_dir to a local or shared-filesystem directory"
             )
         if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, tp, pp)
             self.async_save = isinstance(trainer.strategy, ModelParallelStrategy)

@@ -89,18 +89,46 @@ class ModelParallel(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's, except that with an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) the
-        shards go to torch.distributed.checkpoint.async_save: the loop waits for their copy, not their write."""
+        shards go to torch.distributed.checkpoint.async_save: the loop waits for their copy, not their write;
+        and that `filepath` may be an fsspec URL (paths.ckpt_dir=s3://...), which DCP writes through its fsspec
+        writer, chosen by a URL checkpoint_id (Lightning's save makes it a Path: a local folder `s3:`)."""
+        import torch.distributed.checkpoint as dcp
+        from fsspec.core import url_to_fs
+
+        from mlproject.checkpoint.convert import is_remote
         from mlproject.checkpoint.storage import AsyncCheckpointIO
 
-        if not (self._save_distributed_checkpoint and isinstance(self.checkpoint_io, AsyncCheckpointIO)):
+        writer = self.checkpoint_io if isinstance(self.checkpoint_io, AsyncCheckpointIO) else None
+        if not (self._save_distributed_checkpoint and (writer or is_remote(filepath))):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(filepath))
-        path.mkdir(parents=True, exist_ok=True)
+        url = str(self.broadcast(str(filepath))).rstrip("/")
+        path = url if is_remote(url) else Path(url)
+        fs, _ = url_to_fs(url)
+        fs.makedirs(url, exist_ok=True)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.global_rank == 0:  # what Lightning writes beside the shards (loops, callbacks, schedulers)
-            torch.save(checkpoint, path / "meta.pt")
-        self.checkpoint_io.save_sharded(state, path, self._timeout)
+            with fs.open(f"{url}/meta.pt", "wb") as f:  # before DCP's .metadata, which marks the folder complete
+                torch.save(checkpoint, f)
+        if writer:
+            writer.save_sharded(state, path, self._timeout)
+        else:
+            dcp.save(state, checkpoint_id=path)
+
+    def remove_checkpoint(self, filepath) -> None:
+        # In object storage a sharded folder loses its DCP .metadata first (storage.remove_remote), after any
+        # save queued ahead of the removal (AsyncCheckpointIO.then).
+        from mlproject.checkpoint.convert import is_remote
+        from mlproject.checkpoint.storage import AsyncCheckpointIO, remove_remote
+
+        if not is_remote(filepath):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            io = self.checkpoint_io
+            if isinstance(io, AsyncCheckpointIO):
+                io.then(remove_remote, str(filepath))
+            else:
+                remove_remote(str(filepath))
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
@@ -118,12 +146,22 @@ class ModelParallel(ModelParallelStrategy):
         from mlproject.checkpoint.convert import (
             checkpoint_format,
             deepspeed_checkpoint,
+            is_remote,
             name_optimizer_states,
             sliced_file,
         )
         from mlproject.checkpoint.zero_shards import ZeroShards
+        from mlproject.core.errors import CheckpointError
 
-        path = Path(self.broadcast(checkpoint_path))
+        path = self.broadcast(str(checkpoint_path))
+        if is_remote(path):
+            if checkpoint_format(path) != "sharded":
+                raise CheckpointError(
+                    f"{path}: a single-file checkpoint in object storage resumes under strategy=single or ddp; "
+                    "copy it to a local path for a sharded strategy"
+                )
+            return self._load_sharded_url(path, weights_only)
+        path = Path(path)
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
             return super().load_checkpoint(path, weights_only)
@@ -137,6 +175,29 @@ class ModelParallel(ModelParallelStrategy):
             checkpoint, read = name_optimizer_states(deepspeed_checkpoint(shards, full=False), orders), shards.read
         self._load_shards(read, checkpoint)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
+
+    def _load_sharded_url(self, url: str, weights_only=None) -> dict:
+        """Lightning's load of a sharded folder (its _load_checkpoint) from an fsspec URL: DCP reads through its
+        fsspec reader, chosen by a URL checkpoint_id, and reshards as it does from a local folder."""
+        import fsspec
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=url)
+        self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            state = {f"optimizer_{i}": get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(state, checkpoint_id=url)
+            options = StateDictOptions(cpu_offload=True)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+        with fsspec.open(f"{url}/meta.pt", "rb") as f:
+            return torch.load(f, weights_only=weights_only)  # the rest (loops, callbacks, schedulers)
 
     @torch.no_grad()
     def _load_shards(self, read, checkpoint: dict) -> None:
