@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from lightning.pytorch import Callback
 
 from mlproject.core.constants import PROJECT_ROOT
+from mlproject.core.errors import ConfigError
 from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run
 
 SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
@@ -92,22 +96,58 @@ def test_a_failed_trial_is_reported_and_the_sweep_goes_on(tmp_path):
     assert not (trials / "0" / "metrics.json").exists() and read_metrics(trials / "1")["test/acc"] >= 0
 
 
+class RecordDevices(Callback):
+    """Each rank writes the CUDA_VISIBLE_DEVICES it runs with into its trial's directory."""
+
+    def setup(self, trainer, pl_module, stage):
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir) / f"devices_{trainer.global_rank}.txt"
+        out.write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+
+
 @pytest.mark.slow
-def test_two_trials_side_by_side_on_one_machine(tmp_path):
-    """hydra/launcher=submitit_local with n_jobs=2: the two trials of a batch train at the same time, each a
-    process of its own with its own run directory, and both reach the study."""
+def test_two_ddp_trials_side_by_side_on_disjoint_devices(tmp_path):
+    """hydra/launcher=local with n_jobs=2 and trainer.devices=2 of 4 visible devices: the two trials of a batch
+    train at the same time, each a process tree of its own with its own run directory, both ranks of trial k
+    see devices 2k and 2k+1 only, and both trials reach the study."""
     from datetime import datetime
 
-    sweep = ["hparams_search=digits", "hydra/launcher=submitit_local", "hydra.sweeper.n_trials=2"]
-    sweep += ["hydra.sweeper.n_jobs=2", "run_id=side", "~logger", "extras.print_config=false"]
-    run("train", *sweep, *TINY, log_dir=tmp_path, timeout=400)
+    sweep = ["hparams_search=digits", "hydra/launcher=local", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2"]
+    sweep += ["strategy=ddp", "trainer.devices=2", "run_id=side", "~logger", "extras.print_config=false"]
+    sweep += [f"+callbacks.devices._target_={__name__}.RecordDevices"]
+    run("train", *sweep, *TINY, log_dir=tmp_path, timeout=400, env=clean_env(CUDA_VISIBLE_DEVICES="0,1,2,3"))
     sweep_dir = tmp_path / "train" / "multiruns" / "side"
+    for k in (0, 1):
+        seen = [(sweep_dir / str(k) / f"devices_{rank}.txt").read_text() for rank in (0, 1)]
+        assert seen == [f"{2 * k},{2 * k + 1}"] * 2
     spans = []
     for n in ("0", "1"):
         stamps = re.findall(r"^\[([\d-]+ [\d:,]+)\]", (sweep_dir / n / "train.log").read_text(), flags=re.M)
         spans.append([datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (stamps[0], stamps[-1])])
     assert max(start for start, _ in spans) < min(end for _, end in spans)  # both ran at once
     assert [t.state.name for t in study(sweep_dir).trials] == ["COMPLETE", "COMPLETE"]
+
+
+def test_trials_needing_more_devices_than_visible_are_refused_before_any_starts(tmp_path):
+    """3 visible devices, 2 trials at once of 2 devices each: one line names the fix; no trial directory."""
+    sweep = ["hparams_search=digits", "hydra/launcher=local", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2"]
+    sweep += ["strategy=ddp", "trainer.devices=2", "run_id=many", "~logger", "extras.print_config=false"]
+    env = clean_env(CUDA_VISIBLE_DEVICES="0,1,2")
+    proc = run("train", *sweep, *TINY, log_dir=tmp_path, check=False, env=env)
+    assert proc.returncode != 0
+    line = "error: 2 trials at once need 4 devices (trainer.devices=2+2) but 3 are visible (0,1,2); lower "
+    assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
+    assert not [p for p in (tmp_path / "train" / "multiruns" / "many").iterdir() if p.is_dir() and p.name.isdigit()]
+
+
+def test_devices_are_split_into_consecutive_disjoint_slices():
+    from hydra_plugins.mlproject_sweeper.local_launcher import split_devices
+
+    assert split_devices(["0", "1", "2", "3"], [2, 2]) == ["0,1", "2,3"]
+    assert split_devices(["4", "6", "7"], [1, 2]) == ["4", "6,7"]
+    with pytest.raises(ConfigError, match="2 trials at once need 5 devices"):
+        split_devices(["0", "1", "2", "3"], [2, 3])
 
 
 @pytest.mark.slow
