@@ -139,7 +139,9 @@ def test_trials_needing_more_devices_than_visible_are_refused_before_any_starts(
     assert proc.returncode != 0
     line = "error: 2 trials at once need 4 devices (trainer.devices=2+2) but 3 are visible (0,1,2); lower "
     assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
-    assert not [p for p in (tmp_path / "train" / "multiruns" / "many").iterdir() if p.is_dir() and p.name.isdigit()]
+    sweep_dir = tmp_path / "train" / "multiruns" / "many"
+    assert not [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    assert [t.state.name for t in study(sweep_dir).trials] == ["FAIL", "FAIL"]  # none left running
 
 
 def test_devices_are_split_into_consecutive_disjoint_slices():
