@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch import Callback
 
 from mlproject.core.constants import PROJECT_ROOT
+from mlproject.core.errors import ConfigError
 from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run
 
 SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
@@ -92,22 +97,60 @@ def test_a_failed_trial_is_reported_and_the_sweep_goes_on(tmp_path):
     assert not (trials / "0" / "metrics.json").exists() and read_metrics(trials / "1")["test/acc"] >= 0
 
 
+class RecordDevices(Callback):
+    """Each rank writes the CUDA_VISIBLE_DEVICES it runs with into its trial's directory."""
+
+    def setup(self, trainer, pl_module, stage):
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir) / f"devices_{trainer.global_rank}.txt"
+        out.write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+
+
 @pytest.mark.slow
-def test_two_trials_side_by_side_on_one_machine(tmp_path):
-    """hydra/launcher=submitit_local with n_jobs=2: the two trials of a batch train at the same time, each a
-    process of its own with its own run directory, and both reach the study."""
+def test_two_ddp_trials_side_by_side_on_disjoint_devices(tmp_path):
+    """hydra/launcher=local with n_jobs=2 and trainer.devices=2 of 4 visible devices: the two trials of a batch
+    train at the same time, each a process tree of its own with its own run directory, both ranks of trial k
+    see devices 2k and 2k+1 only, and both trials reach the study."""
     from datetime import datetime
 
-    sweep = ["hparams_search=digits", "hydra/launcher=submitit_local", "hydra.sweeper.n_trials=2"]
-    sweep += ["hydra.sweeper.n_jobs=2", "run_id=side", "~logger", "extras.print_config=false"]
-    run("train", *sweep, *TINY, log_dir=tmp_path, timeout=400)
+    sweep = ["hparams_search=digits", "hydra/launcher=local", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2"]
+    sweep += ["strategy=ddp", "trainer.devices=2", "run_id=side", "~logger", "extras.print_config=false"]
+    sweep += [f"+callbacks.devices._target_={__name__}.RecordDevices"]
+    run("train", *sweep, *TINY, log_dir=tmp_path, timeout=400, env=clean_env(CUDA_VISIBLE_DEVICES="0,1,2,3"))
     sweep_dir = tmp_path / "train" / "multiruns" / "side"
+    for k in (0, 1):
+        seen = [(sweep_dir / str(k) / f"devices_{rank}.txt").read_text() for rank in (0, 1)]
+        assert seen == [f"{2 * k},{2 * k + 1}"] * 2
     spans = []
     for n in ("0", "1"):
         stamps = re.findall(r"^\[([\d-]+ [\d:,]+)\]", (sweep_dir / n / "train.log").read_text(), flags=re.M)
         spans.append([datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (stamps[0], stamps[-1])])
     assert max(start for start, _ in spans) < min(end for _, end in spans)  # both ran at once
     assert [t.state.name for t in study(sweep_dir).trials] == ["COMPLETE", "COMPLETE"]
+
+
+def test_trials_needing_more_devices_than_visible_are_refused_before_any_starts(tmp_path):
+    """3 visible devices, 2 trials at once of 2 devices each: one line names the fix; no trial directory."""
+    sweep = ["hparams_search=digits", "hydra/launcher=local", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2"]
+    sweep += ["strategy=ddp", "trainer.devices=2", "run_id=many", "~logger", "extras.print_config=false"]
+    env = clean_env(CUDA_VISIBLE_DEVICES="0,1,2")
+    proc = run("train", *sweep, *TINY, log_dir=tmp_path, check=False, env=env)
+    assert proc.returncode != 0
+    line = "error: 2 trials at once need 4 devices (trainer.devices=2+2) but 3 are visible (0,1,2); lower "
+    assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
+    sweep_dir = tmp_path / "train" / "multiruns" / "many"
+    assert not [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    assert [t.state.name for t in study(sweep_dir).trials] == ["FAIL", "FAIL"]  # none left running
+
+
+def test_devices_are_split_into_consecutive_disjoint_slices():
+    from hydra_plugins.mlproject_sweeper.local_launcher import split_devices
+
+    assert split_devices(["0", "1", "2", "3"], [2, 2]) == ["0,1", "2,3"]
+    assert split_devices(["4", "6", "7"], [1, 2]) == ["4", "6,7"]
+    with pytest.raises(ConfigError, match="2 trials at once need 5 devices"):
+        split_devices(["0", "1", "2", "3"], [2, 3])
 
 
 @pytest.mark.slow
@@ -183,6 +226,83 @@ def test_k_folds_of_the_digits_validate_every_training_sample_once():
     validated = sorted(i for dm in folds for i in dm.val_set.indices)
     assert validated == list(range(len(plain.train_set) + len(plain.val_set)))  # each sample in one fold's val
     assert [len(dm.val_set) for dm in folds] == [479, 479, 479]  # 1,437 train + val samples in 3 equal parts
+
+
+def check_folds(make, ids, test_ids, k=3):
+    """The datamodule `make(folds, fold)` makes: each of its k folds' train and val sets (samples named by
+    `ids(dataset)`) are disjoint and together hold the plain datamodule's train + val (`ids(None)`), each sample
+    validates in exactly one fold, and the test set is the plain one (`test_ids`). Returns the set-up folds."""
+    plain = make(None, 0)
+    plain.setup()
+    pool = sorted(ids(plain))
+    folds = [make(k, n) for n in range(k)]
+    for dm in folds:
+        dm.setup()
+        train, val = ids(dm.train_set), ids(dm.val_set)
+        assert not set(train) & set(val) and sorted(train + val) == pool
+        assert test_ids(dm.test_set) == test_ids(plain.test_set)
+    assert sorted(i for dm in folds for i in ids(dm.val_set)) == pool  # each sample in one fold's val
+    return folds
+
+
+def test_k_folds_of_image_files_keep_training_augmentation_off_validation(tmp_path):
+    from mlproject.data.images import ImagesDataModule
+
+    def make(folds, fold):
+        dm = ImagesDataModule(dir=str(tmp_path / "png"), source="digits", folds=folds, fold=fold)
+        dm.prepare_data()
+        return dm
+
+    def files(d):  # a dataset's files, or a plain datamodule's train + val files
+        return files(d.train_set) + files(d.val_set) if isinstance(d, ImagesDataModule) else [p for p, _ in d.samples]
+
+    folds = check_folds(make, files, files)
+    for dm in folds:
+        assert (dm.train_set.crop_padding, dm.val_set.crop_padding) == (1, 0)  # only training images are cropped
+    assert [len(dm.val_set) for dm in folds] == [480, 479, 479]  # 1,439 train + val files in 3 parts
+
+
+@pytest.mark.parametrize("data", ["text", "tokens"])
+def test_k_folds_of_text_are_contiguous_stretches_in_text_order(data, tmp_path):
+    from mlproject.data.text import TextDataModule
+    from mlproject.data.tokens import TokensDataModule
+
+    def make(folds, fold):
+        if data == "text":
+            return TextDataModule(folds=folds, fold=fold)
+        dm = TokensDataModule(dir=str(tmp_path / "tokens"), folds=folds, fold=fold)
+        dm.prepare_data()
+        return dm
+
+    def positions(d):  # a fold's windows by their place in train + val; a plain datamodule's: all of them
+        if isinstance(d, torch.utils.data.Subset):
+            return list(d.indices)
+        return list(range(len(d.train_set) + len(d.val_set)))
+
+    def windows(d):
+        return [tuple(d[i][0].tolist()) for i in range(len(d))]
+
+    folds = check_folds(make, positions, windows)
+    plain = make(None, 0)
+    plain.setup()
+    text = windows(plain.train_set) + windows(plain.val_set)
+    for dm in folds:
+        held = dm.val_set.indices
+        assert held == list(range(held[0], held[0] + len(held)))  # one stretch of text
+        assert windows(dm.val_set) == text[held[0] : held[-1] + 1]
+
+
+def test_a_datamodule_that_cannot_fold_says_so_in_one_line(tmp_path):
+    """data.folds=3 for a datamodule config without folds (a user's own): one line naming why, not `+data.folds`."""
+    (tmp_path / "cfg" / "data").mkdir(parents=True)
+    (tmp_path / "cfg" / "data" / "mine.yaml").write_text("_target_: my.datamodule.Plain\nbatch_size: 64\n")
+    search = f"hydra.searchpath=[file://{tmp_path / 'cfg'}]"
+    proc = run("train", search, "data=mine", "data.folds=3", "trainer=cpu", log_dir=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "error: 'data' has no key 'folds': this datamodule cannot fold; k-fold needs a subclass of "
+        "mlproject.training.datamodule.DataModule given folds and fold (as configs/data/digits.yaml)."
+    ]
 
 
 @pytest.mark.slow

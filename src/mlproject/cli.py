@@ -44,6 +44,11 @@ def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> Confi
     key = m.group(1)
     value = next((a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == key), "...")
     parent, _, leaf = key.rpartition(".")
+    if key in ("data.folds", "data.fold"):  # k-fold is the template DataModule's: a key of its own is not enough
+        return ConfigError(
+            f"'data' has no key '{leaf}': this datamodule cannot fold; k-fold needs a subclass of "
+            "mlproject.training.datamodule.DataModule given folds and fold (as configs/data/digits.yaml)"
+        )
     names = [] if parent else [p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "hydra"]
     try:  # the config as composed without the bad override: its keys where the bad one was
         from hydra import compose, initialize_config_dir

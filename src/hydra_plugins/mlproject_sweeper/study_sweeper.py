@@ -64,7 +64,12 @@ class StudySweeper(OptunaSweeper):
             trials = [study.ask() for _ in range(min(to_go, impl.n_jobs))]
             overrides = impl._configure_trials(trials, search_space, fixed)
             # job number = trial number: the trial's callbacks find it in the study by hydra.job.num
-            returns = impl.launcher.launch(overrides, initial_job_idx=trials[0].number)
+            try:
+                returns = impl.launcher.launch(overrides, initial_job_idx=trials[0].number)
+            except ConfigError:  # refused before any trial started (too few devices): not left running
+                for trial in trials:
+                    study.tell(trial.number, state=State.FAIL)
+                raise
             failures = [tell(study, storage, trial.number, ret) for trial, ret in zip(trials, returns, strict=True)]
             if sum(failures) / len(returns) > impl.max_failure_rate:
                 for ret in returns:

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
 from mlproject.data.preparation import prepare, read_manifest
-from mlproject.training.datamodule import DataModule
+from mlproject.training.datamodule import DataModule, fold_indices
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 SOURCES = (None, "digits")
@@ -53,6 +53,10 @@ class ImageFiles(Dataset):
         if self.hflip and torch.rand(()) < 0.5:
             x = x.flip(-1)
         return x
+
+    def with_samples(self, samples: list[tuple[str, int]]) -> ImageFiles:
+        """The same reading and augmentation, over other samples."""
+        return ImageFiles(samples, self.size, self.channels, self.crop_padding, self.hflip)
 
 
 def write_digits(dir: Path) -> dict:
@@ -86,8 +90,10 @@ class ImagesDataModule(DataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         pin_memory: bool = False,
+        folds: int | None = None,
+        fold: int = 0,
     ):
-        super().__init__(batch_size, num_workers, pin_memory)
+        super().__init__(batch_size, num_workers, pin_memory, folds, fold)
         self.save_hyperparameters()
         if source not in SOURCES:
             raise ConfigError(f"data.source={source} is not one of: null (your own folder), digits")
@@ -135,3 +141,9 @@ class ImagesDataModule(DataModule):
             ImageFiles(val, **plain),
             ImageFiles(test, **plain),
         )
+
+    def split_fold(self, train: ImageFiles, val: ImageFiles) -> tuple[ImageFiles, ImageFiles]:
+        """The fold's files, each read as its split reads: training images augmented, validation ones not."""
+        pool = train.samples + val.samples
+        keep, held = fold_indices(len(pool), self.folds, self.fold)
+        return train.with_samples([pool[i] for i in keep]), val.with_samples([pool[i] for i in held])

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
-from mlproject.training.datamodule import DataModule
+from mlproject.training.datamodule import DataModule, fold_split
 
 VOCAB_SIZE = 256
 
@@ -58,8 +58,10 @@ class TextDataModule(DataModule):
         test_fraction: float = 0.05,
         num_workers: int = 0,
         pin_memory: bool = False,
+        folds: int | None = None,
+        fold: int = 0,
     ):
-        super().__init__(batch_size, num_workers, pin_memory)
+        super().__init__(batch_size, num_workers, pin_memory, folds, fold)
         self.save_hyperparameters()
 
     def splits(self):
@@ -77,3 +79,8 @@ class TextDataModule(DataModule):
             Chunks(tokens[n_train : n_train + n_val], hp.block_size),
             Chunks(tokens[n_train + n_val :], hp.block_size),
         )
+
+    def split_fold(self, train: Dataset, val: Dataset) -> tuple[Dataset, Dataset]:
+        """Contiguous parts of train + val, in text order: neighbouring windows continue each other's text, so
+        shuffled folds would validate on windows next to those that train."""
+        return fold_split(train, val, self.folds, self.fold, shuffle=False)

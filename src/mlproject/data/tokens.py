@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
 from mlproject.data.preparation import prepare, read_manifest
-from mlproject.training.datamodule import DataModule
+from mlproject.training.datamodule import DataModule, fold_split
 
 TOKENIZERS = ("bytes", "bpe")
 CHUNK = 1 << 24  # bytes of text read at a time: about what preparation holds in memory
@@ -139,8 +139,10 @@ class TokensDataModule(DataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         pin_memory: bool = False,
+        folds: int | None = None,
+        fold: int = 0,
     ):
-        super().__init__(batch_size, num_workers, pin_memory)
+        super().__init__(batch_size, num_workers, pin_memory, folds, fold)
         self.save_hyperparameters()
         if tokenizer not in TOKENIZERS:
             raise ConfigError(f"data.tokenizer={tokenizer} is not one of {', '.join(TOKENIZERS)}")
@@ -218,3 +220,8 @@ class TokensDataModule(DataModule):
             Windows(self.dir, manifest, hp.block_size, n_train, n_val),
             Windows(self.dir, manifest, hp.block_size, n_train + n_val, n_test),
         )
+
+    def split_fold(self, train: Dataset, val: Dataset) -> tuple[Dataset, Dataset]:
+        """Contiguous parts of train + val, in text order: neighbouring windows continue each other's text, so
+        shuffled folds would validate on windows next to those that train."""
+        return fold_split(train, val, self.folds, self.fold, shuffle=False)

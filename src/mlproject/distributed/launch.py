@@ -37,7 +37,7 @@ def check_launch(cfg: DictConfig, topology: Topology) -> None:
     if topology.strategy == "deepspeed" and topology.devices_per_node > 1 and _trials_share_this_process():
         raise ConfigError(  # deepspeed.utils.groups caches the first trial's process groups for the process's life
             "strategy=deepspeed_* in a multirun whose trials run in this one process: DeepSpeed keeps the first "
-            "trial's process groups, so the next trial cannot make its own; add hydra/launcher=submitit_local "
+            "trial's process groups, so the next trial cannot make its own; add hydra/launcher=local "
             "(each trial a process of its own) or run the sweep on SLURM"
         )
     if nodes > 1 and cfg.get("run_id") == generated_run_id():

@@ -40,7 +40,13 @@ class DataModule(L.LightningDataModule):
         if self.train_set is None:  # Lightning calls setup once per stage: build the splits once
             self.train_set, self.val_set, self.test_set = self.splits()
             if self.folds:
-                self.train_set, self.val_set = fold_split(self.train_set, self.val_set, self.folds, self.fold)
+                self.train_set, self.val_set = self.split_fold(self.train_set, self.val_set)
+
+    def split_fold(self, train: Dataset, val: Dataset) -> tuple[Dataset, Dataset]:
+        """The train and val sets of fold `self.fold`: train + val pooled and cut (`fold_split`). A subclass
+        whose train and val differ in more than their samples (augmentation) or whose samples are ordered
+        (text) overrides it."""
+        return fold_split(train, val, self.folds, self.fold)
 
     @property
     def per_device_batch_size(self) -> int:
@@ -73,10 +79,17 @@ class DataModule(L.LightningDataModule):
         return self.test_dataloader()
 
 
-def fold_split(train: Dataset, val: Dataset, folds: int, fold: int) -> tuple[Dataset, Dataset]:
-    """Fold `fold` of k-fold cross-validation: train + val shuffled once (a fixed seed: the same on every rank,
-    run and fold), cut into `folds` near-equal parts; part `fold` validates, the others train."""
+def fold_indices(n: int, folds: int, fold: int, shuffle: bool = True) -> tuple[list[int], list[int]]:
+    """(train, val) indices of fold `fold` of `n` samples: shuffled once (a fixed seed: the same on every rank,
+    run and fold), or in order for samples whose neighbours are related, then cut into `folds` near-equal
+    parts; part `fold` validates, the others train."""
+    order = np.random.default_rng(0).permutation(n) if shuffle else np.arange(n)
+    parts = np.array_split(order, folds)
+    return np.concatenate([p for i, p in enumerate(parts) if i != fold]).tolist(), parts[fold].tolist()
+
+
+def fold_split(train: Dataset, val: Dataset, folds: int, fold: int, shuffle: bool = True) -> tuple[Dataset, Dataset]:
+    """Fold `fold` of k-fold cross-validation over train + val (`fold_indices`), as two subsets of the pool."""
     pool = ConcatDataset([train, val])
-    parts = np.array_split(np.random.default_rng(0).permutation(len(pool)), folds)
-    held = parts[fold].tolist()
-    return Subset(pool, np.concatenate([p for i, p in enumerate(parts) if i != fold]).tolist()), Subset(pool, held)
+    keep, held = fold_indices(len(pool), folds, fold, shuffle)
+    return Subset(pool, keep), Subset(pool, held)
