@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from mlproject.checkpoint.convert import export, load_full
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, strategy, train, weights
-from tests.helpers.processes import free_port, read_metrics, run, run_dirs, run_in_process, together
+from tests.helpers.processes import free_port, read_metrics, run, run_dirs, together
 
 BUCKET = "ckpts"
 
@@ -159,23 +159,39 @@ def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
     ]
 
 
-def test_deepspeed_with_a_bucket_fails_at_start_in_one_line(tmp_path):
-    """DeepSpeed writes its folders with local file I/O: a URL ckpt_dir stops before any process starts."""
-    code, stderr = run_in_process(
-        "train",
-        "trainer=cpu",
-        *strategy("deepspeed_stage_2", 2),
-        *ckpt_dir("ds"),
-        "extras.print_config=false",
-        log_dir=tmp_path,
-    )
-    assert code == 2
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    assert lines == [
-        f"error: paths.ckpt_dir=s3://{BUCKET}/ds: DeepSpeed writes its checkpoint folders with local file I/O, not "
-        "to object storage; set paths.ckpt_dir to a local or shared-filesystem directory."
-    ], stderr
-    assert not run_dirs(tmp_path)
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_s3_deepspeed_checkpoints_resume_bitwise(s3, tmp_path):
+    """ZeRO-2 on 2 processes writes its folders into the bucket (DeepSpeed's own file I/O, through a copy on
+    the node's disk) until it is SIGKILLed at step 10, and resumes from step 8's with ckpt_path=auto bitwise.
+    Retention removes a replaced checkpoint's whole folder; export reads the bucket's folder."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (pip install -e '.[deepspeed]')")
+    from mlproject.distributed.zero import staging
+    from tests.checkpoint.test_deepspeed import EXACT
+
+    setup = [*strategy("deepspeed_stage_2", 2), *EXACT, "callbacks.last_checkpoint.every_n_train_steps=4"]
+    keep_one = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1"]
+
+    def killed():
+        proc = train(tmp_path, "ds", *setup, *keep_one, *ckpt_dir("ds"), "ckpt_path=auto", *kill_at(10), check=False)
+        assert proc.returncode != 0
+        assert load_full(f"s3://{BUCKET}/ds/last.ckpt")["global_step"] == 8
+        train(tmp_path, "ds", *setup, *keep_one, *ckpt_dir("ds"), "ckpt_path=auto")
+
+    together(lambda: train(tmp_path, "straight", *setup), killed)
+    straight = run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt"
+    want = weights(straight)
+    got = load_full(f"s3://{BUCKET}/ds/last.ckpt")
+    assert got["global_step"] == 12
+    assert_bitwise(want, got["state_dict"])
+    assert not (run_dir(tmp_path, "ds") / "checkpoints").exists()  # nothing went to a local folder
+    assert not staging(f"s3://{BUCKET}/ds/last.ckpt.tmp").exists()  # the node's copies are gone
+    export(f"s3://{BUCKET}/ds/last.ckpt", tmp_path / "ds.safetensors")
+    assert_bitwise(load_file(tmp_path / "ds.safetensors"), net_weights(want))
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/ds"))
+    assert names == ["epoch_001.ckpt", "last.ckpt"], names
+    local = sorted(str(p.relative_to(straight)) for p in straight.rglob("*") if p.is_file())
+    assert sorted(p.split("/last.ckpt/", 1)[1] for p in s3.find(f"{BUCKET}/ds/last.ckpt")) == local
 
 
 def test_sharded_folders_in_a_bucket_are_replaced_and_resumed_whole(s3, tmp_path):

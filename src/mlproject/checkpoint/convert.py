@@ -22,7 +22,7 @@ def is_remote(path: str | Path) -> bool:
 
 def checkpoint_format(path: str | Path) -> str:
     """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
-    if is_remote(path):  # single files and sharded directories (ModelCheckpoint.setup)
+    if is_remote(path):
         from fsspec.core import url_to_fs
 
         url = str(path).rstrip("/")
@@ -33,8 +33,10 @@ def checkpoint_format(path: str | Path) -> str:
                 return _check_zip(path, f)
         if fs.isfile(f"{url}/meta.pt") and fs.isfile(f"{url}/.metadata"):  # .metadata comes last (storage.py)
             return "sharded"
+        if fs.isfile(f"{url}/latest"):  # last too (distributed/zero.py)
+            return "deepspeed"
         if fs.isdir(url):
-            raise CheckpointError(f"{path} is a directory but not a complete sharded checkpoint")
+            raise CheckpointError(f"{path} is a directory but not a complete sharded or DeepSpeed checkpoint")
         raise CheckpointError(f"{path} does not exist")
     path = Path(path)
     if path.is_file():
@@ -127,9 +129,9 @@ def load_full(path: str | Path) -> dict[str, Any]:
         if checkpoint_format(path) == "file":
             with fsspec.open(str(path), "rb") as f:
                 return torch.load(f, map_location="cpu", weights_only=False)
-        with tempfile.TemporaryDirectory() as tmp:  # a sharded directory: read in full here anyway
+        with tempfile.TemporaryDirectory() as tmp:  # a sharded or DeepSpeed directory: read in full here anyway
             url_to_fs(str(path))[0].get(f"{str(path).rstrip('/')}/", f"{tmp}/", recursive=True)
-            return _from_sharded(Path(tmp))
+            return load_full(tmp)
     path = Path(path)
     fmt = checkpoint_format(path)
     if fmt == "file":

@@ -25,6 +25,9 @@ from mlproject.utils.rank_logging import get_logger
 log = get_logger(__name__)
 
 
+MARKERS = ("/.metadata", "/latest")  # written last, a sharded (DCP) or DeepSpeed folder is complete
+
+
 def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Move a checkpoint file or directory `src` to `dst`, replacing what is there.
 
@@ -33,6 +36,8 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     directory is complete while it holds DCP's `.metadata`, written last: the old `dst` loses it first and
     the copy writes it last, and a crash in between leaves the complete `<dst>.tmp`, which
     `resolve_ckpt_path` resumes from.
+
+    A DeepSpeed folder's marker is its `latest` file, as DCP's is `.metadata` (MARKERS).
 
     A file replaces a file in one atomic rename. rename(2) cannot replace a non-empty directory, so an
     existing `dst` is moved aside to `<dst>.old` first and deleted after; a crash between the two renames
@@ -48,8 +53,8 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
             fs.mv(src, dst)
             return
         remove_remote(dst)
-        names = sorted((p[len(root) :] for p in fs.find(src)), key=lambda name: name == "/.metadata")
-        for name in names:  # .metadata last
+        names = sorted((p[len(root) :] for p in fs.find(src)), key=lambda name: name in MARKERS)
+        for name in names:  # the completeness marker last
             fs.copy(src + name, dst + name)
         remove_remote(src)
         return
@@ -65,15 +70,16 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
 
 
 def remove_remote(url: str) -> None:
-    """Remove a checkpoint in object storage; a sharded directory loses its `.metadata` first, so that no
-    partly deleted directory reads as complete (checkpoint_format)."""
+    """Remove a checkpoint in object storage; a sharded or DeepSpeed directory loses its completeness marker
+    first, so that no partly deleted directory reads as complete (checkpoint_format)."""
     from fsspec.core import url_to_fs
 
     fs, _ = url_to_fs(url)
     fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
     if fs.isdir(url):
-        if fs.exists(f"{url}/.metadata"):
-            fs.rm(f"{url}/.metadata")
+        for marker in MARKERS:
+            if fs.exists(url + marker):
+                fs.rm(url + marker)
         fs.rm(url, recursive=True)
     elif fs.exists(url):
         fs.rm(url)
@@ -138,12 +144,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        known = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
-        deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)  # a DDPStrategy, writing with its own file I/O
-        if self.dirpath and is_remote(self.dirpath) and (deepspeed or not isinstance(trainer.strategy, known)):
+        known = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)  # DeepSpeed's is a DDPStrategy
+        if self.dirpath and is_remote(self.dirpath) and not isinstance(trainer.strategy, known):
             raise CheckpointError(
-                f"paths.ckpt_dir={self.dirpath}: object storage takes the checkpoints of strategy=single, ddp and "
-                "the sharded ones, not DeepSpeed's; set paths.ckpt_dir to a local or shared-filesystem directory"
+                f"paths.ckpt_dir={self.dirpath}: object storage takes the checkpoints of the template's strategies, "
+                f"not {type(trainer.strategy).__name__}'s; set paths.ckpt_dir to a local or shared-filesystem directory"
             )
         if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, tp, pp)
             self.async_save = isinstance(trainer.strategy, ModelParallelStrategy)

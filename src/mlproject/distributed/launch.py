@@ -69,14 +69,6 @@ def check_launch(cfg: DictConfig, topology: Topology) -> None:
 def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
     if topology.strategy != "deepspeed":
         return
-    from mlproject.checkpoint.convert import is_remote
-
-    ckpt_dir = str(cfg.paths.get("ckpt_dir") or "")
-    if is_remote(ckpt_dir):
-        raise ConfigError(
-            f"paths.ckpt_dir={ckpt_dir}: DeepSpeed writes its checkpoint folders with local file I/O, not to object "
-            "storage; set paths.ckpt_dir to a local or shared-filesystem directory"
-        )
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("strategy=deepspeed_* needs DeepSpeed; install it with pip install '.[deepspeed]'")
     import torch

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -12,6 +15,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from mlproject.checkpoint.convert import is_remote
 from mlproject.core.constants import PROJECT_ROOT
 
 
@@ -29,6 +33,23 @@ def loads_natively(path: Path, world: int, zero3: bool) -> bool:
     shards = path / (path / "latest").read_text().strip()
     ranks, stage3 = len(list(shards.glob("*_optim_states.pt"))), any(shards.glob("zero_pp_rank_*_model_states.pt"))
     return (ranks, stage3) == (world, zero3)
+
+
+def staging(url: str) -> Path:
+    """This node's folder for a copy of the checkpoint at `url`: the same on every rank of the node."""
+    key = hashlib.sha1(url.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "mlproject-deepspeed" / key
+
+
+def upload(local: Path, url: str, skip: str | None = None, only: str | None = None) -> None:
+    """Put the files of folder `local` under `url` (relative paths kept): all but `skip`, or only `only`."""
+    from fsspec.core import url_to_fs
+
+    fs, _ = url_to_fs(url)
+    for file in sorted(p for p in local.rglob("*") if p.is_file()):
+        name = file.relative_to(local).as_posix()
+        if name != skip and (only is None or name == only):
+            fs.put_file(str(file), f"{url.rstrip('/')}/{name}")
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -64,7 +85,64 @@ class ZeroStrategy(DeepSpeedStrategy):
             self.model = self._layer_sync.apply(self.model)
         super().setup(trainer)
 
+    # DeepSpeed reads and writes its checkpoint folders with local file I/O: a checkpoint in object storage
+    # (paths.ckpt_dir=s3://...) goes through a copy on each node's disk (staging), uploaded or downloaded by the
+    # node's local rank 0.
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        filepath = self.broadcast(str(filepath))
+        if not is_remote(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        local = staging(filepath)
+        if self.local_rank == 0:
+            shutil.rmtree(local, ignore_errors=True)
+        self.barrier("deepspeed_staging_cleared")
+        super().save_checkpoint(checkpoint, str(local), storage_options)
+        self.barrier("deepspeed_staged")
+        if self.local_rank == 0:  # each node its ranks' shards; `latest`, which marks the folder complete, last
+            upload(local, filepath, skip="latest")
+        self.barrier("deepspeed_uploaded")
+        if self.global_rank == 0:
+            upload(local, filepath, only="latest")
+        self.barrier("deepspeed_complete")
+        if self.local_rank == 0:
+            shutil.rmtree(local)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if is_remote(filepath):
+            from mlproject.checkpoint.storage import remove_remote
+
+            if self.is_global_zero:
+                remove_remote(str(filepath))  # `latest` first: no partly removed folder reads as complete
+            return
+        super().remove_checkpoint(filepath)
+
     def load_checkpoint(self, checkpoint_path, weights_only=None):
+        path = self.broadcast(str(checkpoint_path))
+        if not is_remote(path):
+            return self._load_local(Path(path), weights_only)
+        local = staging(path)
+        if self.local_rank == 0:
+            from fsspec.core import url_to_fs
+
+            shutil.rmtree(local, ignore_errors=True)
+            fs, _ = url_to_fs(path)
+            fs.invalidate_cache()
+            if fs.isdir(path):
+                fs.get(f"{path.rstrip('/')}/", f"{local}/", recursive=True)
+            else:
+                local.parent.mkdir(parents=True, exist_ok=True)
+                fs.get(path, str(local))
+        self.barrier("deepspeed_downloaded")
+        try:
+            return self._load_local(local, weights_only)
+        finally:
+            self.barrier("deepspeed_loaded")
+            if self.local_rank == 0 and local.is_dir():
+                shutil.rmtree(local)
+            elif self.local_rank == 0:
+                local.unlink()
+
+    def _load_local(self, path: Path, weights_only=None):
         # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout. Any other is
         # scattered into this rank's partitions, reading only the slices it will hold: from another DeepSpeed
         # layout, from fsdp/hsdp/tp shards (the stored chunks that overlap them) or from a file (convert.sliced_file).
@@ -72,7 +150,6 @@ class ZeroStrategy(DeepSpeedStrategy):
         from mlproject.checkpoint.dcp_shards import DcpShards
         from mlproject.checkpoint.zero_shards import ZeroShards
 
-        path = Path(self.broadcast(checkpoint_path))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # else the engine has no optimizer
         if not fitting or loads_natively(path, self.world_size, self.zero_stage_3):
             return super().load_checkpoint(path, weights_only)
