@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from lightning.pytorch import Callback
 
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.core.errors import ConfigError
+from tests.data.folds import check_folds
 from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run
 
 SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
@@ -228,23 +228,6 @@ def test_k_folds_of_the_digits_validate_every_training_sample_once():
     assert [len(dm.val_set) for dm in folds] == [479, 479, 479]  # 1,437 train + val samples in 3 equal parts
 
 
-def check_folds(make, ids, test_ids, k=3):
-    """The datamodule `make(folds, fold)` makes: each of its k folds' train and val sets (samples named by
-    `ids(dataset)`) are disjoint and together hold the plain datamodule's train + val (`ids(None)`), each sample
-    validates in exactly one fold, and the test set is the plain one (`test_ids`). Returns the set-up folds."""
-    plain = make(None, 0)
-    plain.setup()
-    pool = sorted(ids(plain))
-    folds = [make(k, n) for n in range(k)]
-    for dm in folds:
-        dm.setup()
-        train, val = ids(dm.train_set), ids(dm.val_set)
-        assert not set(train) & set(val) and sorted(train + val) == pool
-        assert test_ids(dm.test_set) == test_ids(plain.test_set)
-    assert sorted(i for dm in folds for i in ids(dm.val_set)) == pool  # each sample in one fold's val
-    return folds
-
-
 def test_k_folds_of_image_files_keep_training_augmentation_off_validation(tmp_path):
     from mlproject.data.images import ImagesDataModule
 
@@ -260,36 +243,6 @@ def test_k_folds_of_image_files_keep_training_augmentation_off_validation(tmp_pa
     for dm in folds:
         assert (dm.train_set.crop_padding, dm.val_set.crop_padding) == (1, 0)  # only training images are cropped
     assert [len(dm.val_set) for dm in folds] == [480, 479, 479]  # 1,439 train + val files in 3 parts
-
-
-@pytest.mark.parametrize("data", ["text", "tokens"])
-def test_k_folds_of_text_are_contiguous_stretches_in_text_order(data, tmp_path):
-    from mlproject.data.text import TextDataModule
-    from mlproject.data.tokens import TokensDataModule
-
-    def make(folds, fold):
-        if data == "text":
-            return TextDataModule(folds=folds, fold=fold)
-        dm = TokensDataModule(dir=str(tmp_path / "tokens"), folds=folds, fold=fold)
-        dm.prepare_data()
-        return dm
-
-    def positions(d):  # a fold's windows by their place in train + val; a plain datamodule's: all of them
-        if isinstance(d, torch.utils.data.Subset):
-            return list(d.indices)
-        return list(range(len(d.train_set) + len(d.val_set)))
-
-    def windows(d):
-        return [tuple(d[i][0].tolist()) for i in range(len(d))]
-
-    folds = check_folds(make, positions, windows)
-    plain = make(None, 0)
-    plain.setup()
-    text = windows(plain.train_set) + windows(plain.val_set)
-    for dm in folds:
-        held = dm.val_set.indices
-        assert held == list(range(held[0], held[0] + len(held)))  # one stretch of text
-        assert windows(dm.val_set) == text[held[0] : held[-1] + 1]
 
 
 def test_a_datamodule_that_cannot_fold_says_so_in_one_line(tmp_path):

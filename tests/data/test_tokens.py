@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.core.errors import ConfigError
 from mlproject.data.tokens import TokensDataModule
 from tests.checkpoint.helpers import kill_at, run_dir, train, wait_until_gone, weights
+from tests.data.folds import check_folds
 from tests.data.resume import assert_close_to, assert_resumed_in_place, record
 from tests.helpers.processes import FAST, PYTHON, clean_env, free_port, read_metrics, run, run_dirs, together
 
@@ -260,3 +262,33 @@ def test_resume_from_2_processes_on_1_reads_the_next_global_batch(small_runs):
         weights(run_dir(runs["straight"], "straight") / last), weights(run_dir(runs["killed"], "killed") / last)
     )
     print(f"max |param - straight run's| after resuming 2 -> 1 process: {diff:.1e}")
+
+
+@pytest.mark.parametrize("data", ["text", "tokens"])
+def test_k_folds_of_text_are_contiguous_stretches_in_text_order(data, tmp_path):
+    from mlproject.data.text import TextDataModule
+    from mlproject.data.tokens import TokensDataModule
+
+    def make(folds, fold):
+        if data == "text":
+            return TextDataModule(folds=folds, fold=fold)
+        dm = TokensDataModule(dir=str(tmp_path / "tokens"), folds=folds, fold=fold)
+        dm.prepare_data()
+        return dm
+
+    def positions(d):  # a fold's windows by their place in train + val; a plain datamodule's: all of them
+        if isinstance(d, torch.utils.data.Subset):
+            return list(d.indices)
+        return list(range(len(d.train_set) + len(d.val_set)))
+
+    def windows(d):
+        return [tuple(d[i][0].tolist()) for i in range(len(d))]
+
+    folds = check_folds(make, positions, windows)
+    plain = make(None, 0)
+    plain.setup()
+    text = windows(plain.train_set) + windows(plain.val_set)
+    for dm in folds:
+        held = dm.val_set.indices
+        assert held == list(range(held[0], held[0] + len(held)))  # one stretch of text
+        assert windows(dm.val_set) == text[held[0] : held[-1] + 1]
