@@ -32,6 +32,7 @@ def pytest_configure(config):
 SHARED = ("slurm", "single_reference", "trained_run")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the markers into the groups
 def pytest_collection_modifyitems(config, items):
     groups = {str(item.path): str(item.path) for item in items}
     for item in items:
@@ -40,6 +41,16 @@ def pytest_collection_modifyitems(config, items):
                 groups[str(item.path)] = name
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[str(item.path)]))
+
+
+def pytest_collection_finish(session):
+    # A worker whose tests lost their group (xdist names it in the node id; pytest 9.2's ids ignore that) builds
+    # every module fixture on both workers: the suite then takes longer than serial. Stop instead.
+    loadgroup = getattr(session.config.option, "loadgroup", False)  # set on xdist's workers
+    if loadgroup and any("@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            "pytest-xdist lost the test groups (--dist loadgroup): install the locked pytest with make install"
+        )
 
 
 def pytest_unconfigure(config):
