@@ -1,67 +1,19 @@
-"""Checkpoints in object storage: a real S3 HTTP endpoint (moto's standalone server on 127.0.0.1, started
-here), the real s3fs client, the endpoint given the standard way (AWS_ENDPOINT_URL) and credentials only
-from the environment. A run saving into s3://, SIGKILLed, resumes with ckpt_path=auto bitwise; a resumed
-run's retention leaves the checkpoint it resumed from (Lightning issue 21813)."""
+"""Checkpoints in object storage: a real S3 HTTP endpoint (moto's standalone server on 127.0.0.1, started by
+conftest.py; the GPT's fsdp proof is in test_s3_gpt.py), the real s3fs client, the endpoint given the
+standard way (AWS_ENDPOINT_URL) and credentials only from the environment. A run saving into s3://,
+SIGKILLed, resumes with ckpt_path=auto bitwise; a resumed run's retention leaves the checkpoint it resumed
+from (Lightning issue 21813)."""
 
 from __future__ import annotations
-
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from mlproject.checkpoint.convert import export, load_full
+from tests.checkpoint.conftest import BUCKET, ckpt_dir, net_weights
 from tests.checkpoint.helpers import assert_bitwise, kill_at, run_dir, strategy, train, weights
-from tests.helpers.processes import free_port, read_metrics, run, run_dirs, together
-
-BUCKET = "ckpts"
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    """moto's server on a free port of 127.0.0.1 with one bucket; the environment every child run inherits."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(300):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        for key, value in {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(key, value)
-        import s3fs
-
-        # fsspec caches filesystems by their arguments, not the endpoint the environment names: this test's
-        # in-process reads (load_full) would reach the previous test's server
-        s3fs.S3FileSystem.clear_instance_cache()
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield fs
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def net_weights(state_dict: dict) -> dict:
-    return {k.removeprefix("net."): v for k, v in state_dict.items() if k.startswith("net.")}
-
-
-def ckpt_dir(name: str) -> list[str]:
-    return [f"paths.ckpt_dir=s3://{BUCKET}/{name}"]
+from tests.helpers.processes import together
 
 
 @pytest.mark.slow
@@ -110,61 +62,6 @@ def test_s3_retention_keeps_the_checkpoint_a_run_resumed_from(s3, tmp_path):
     assert s3.exists(source), "retention deleted the checkpoint the run resumed from"
     names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/ret"))
     assert names == ["epoch_000.ckpt", "epoch_002.ckpt", "last.ckpt"], names
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_s3_sharded_checkpoints_resume_bitwise_under_fsdp(s3, tmp_path):
-    """fsdp on 2 processes writes its DCP folders into the bucket (through DCP's fsspec writer) until rank 0 is
-    SIGKILLed at step 10, and resumes with ckpt_path=auto bitwise from its last complete save (step 8's, or step
-    4's when step 8's asynchronous write was still in flight at the kill). Retention
-    removes each replaced best checkpoint's whole folder."""
-    from tests.checkpoint.test_sharded import FSDP2
-
-    setup = [*FSDP2, "callbacks.last_checkpoint.every_n_train_steps=4", *ckpt_dir("fsdp")]
-    keep_one = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1"]
-
-    def killed():
-        proc = train(tmp_path, "fsdp", *setup, *keep_one, "ckpt_path=auto", *kill_at(10, 0), check=False)
-        assert proc.returncode != 0
-        # fsdp saves asynchronously by default: step 8's write may still be in flight at the kill (under load)
-        step = load_full(f"s3://{BUCKET}/fsdp/last.ckpt")["global_step"]
-        assert step in (4, 8)
-        async_save = "callbacks.model_checkpoint.async_save=true"
-        train(tmp_path, "fsdp", *setup, *keep_one, async_save, "ckpt_path=auto")
-        return step
-
-    _, resumed_from = together(lambda: train(tmp_path, "straight", *FSDP2), killed)
-    want = weights(run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt")
-    got = load_full(f"s3://{BUCKET}/fsdp/last.ckpt")
-    assert got["global_step"] == 18
-    assert not (run_dir(tmp_path, "fsdp") / "checkpoints").exists()  # nothing went to a local folder
-    export(f"s3://{BUCKET}/fsdp/last.ckpt", tmp_path / "fsdp.safetensors")  # export reads a bucket's folder too
-    assert_bitwise(load_file(tmp_path / "fsdp.safetensors"), net_weights(want))
-    # eval too, with the model and data of the run that wrote it (its saved config): the straight run's metrics
-    evaluate = ["trainer=cpu", "extras.print_config=false"]
-    local = run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt"
-    together(
-        lambda: run("eval", *evaluate, f"ckpt_path=s3://{BUCKET}/fsdp/last.ckpt", log_dir=tmp_path / "bucket"),
-        lambda: run("eval", *evaluate, f"ckpt_path={local}", log_dir=tmp_path / "local"),
-    )
-    tested = {where: read_metrics(run_dirs(tmp_path / where, "eval")[0]) for where in ("bucket", "local")}
-    assert tested["bucket"] == tested["local"] and any(k.startswith("test/") for k in tested["bucket"])
-    assert_bitwise(want, got["state_dict"])
-    # epoch 0's best checkpoint (the killed run's) and epoch 1's were replaced: no object of their folders is
-    # left, nor of a .tmp. Resumed from step 4, before epoch 0 ended, the run saves epoch 0 again as
-    # epoch_000-v1.ckpt (Lightning never overwrites), which retention replaces; the killed run's epoch_000 is
-    # not this run's to remove (if its write completed before the kill), as on a local disk.
-    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/fsdp"))
-    if resumed_from == 4:
-        names = [name for name in names if name != "epoch_000.ckpt"]
-    assert names == ["epoch_002.ckpt", "last.ckpt"], names
-    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{BUCKET}/fsdp/last.ckpt")) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "meta.pt",
-    ]
 
 
 @pytest.mark.slow
