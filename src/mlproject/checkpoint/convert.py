@@ -20,6 +20,19 @@ def is_remote(path: str | Path) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
 
 
+def download(url: str, dest: Path) -> None:
+    """Copy the checkpoint at fsspec `url`, a file or a folder, to the local path `dest`."""
+    from fsspec.core import url_to_fs
+
+    fs, _ = url_to_fs(url)
+    fs.invalidate_cache()  # written by other processes since this one listed it
+    if fs.isdir(url):
+        fs.get(f"{url.rstrip('/')}/", f"{dest}/", recursive=True)
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fs.get(url, str(dest))
+
+
 def checkpoint_format(path: str | Path) -> str:
     """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
     if is_remote(path):
@@ -124,13 +137,12 @@ def load_full(path: str | Path) -> dict[str, Any]:
         import tempfile
 
         import fsspec
-        from fsspec.core import url_to_fs
 
         if checkpoint_format(path) == "file":
             with fsspec.open(str(path), "rb") as f:
                 return torch.load(f, map_location="cpu", weights_only=False)
         with tempfile.TemporaryDirectory() as tmp:  # a sharded or DeepSpeed directory: read in full here anyway
-            url_to_fs(str(path))[0].get(f"{str(path).rstrip('/')}/", f"{tmp}/", recursive=True)
+            download(str(path), Path(tmp))
             return load_full(tmp)
     path = Path(path)
     fmt = checkpoint_format(path)

@@ -83,6 +83,7 @@ class Signals(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before Lightning registers its handlers (Trainer._run): its SIGTERM handler broadcasts from rank 0,
         # a collective no other rank would meet once the per-step broadcast below is gone; ours only notes it.
+        # Lightning has no public switch for either (upstream #21487): both are set on this trainer only.
         trainer._signal_connector._sigterm_notifier_fn = self._on_signal
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # see the module docstring
 

@@ -15,7 +15,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from mlproject.checkpoint.convert import is_remote
+from mlproject.checkpoint.convert import download, is_remote
 from mlproject.core.constants import PROJECT_ROOT
 
 
@@ -122,16 +122,8 @@ class ZeroStrategy(DeepSpeedStrategy):
             return self._load_local(Path(path), weights_only)
         local = staging(path)
         if self.local_rank == 0:
-            from fsspec.core import url_to_fs
-
             shutil.rmtree(local, ignore_errors=True)
-            fs, _ = url_to_fs(path)
-            fs.invalidate_cache()
-            if fs.isdir(path):
-                fs.get(f"{path.rstrip('/')}/", f"{local}/", recursive=True)
-            else:
-                local.parent.mkdir(parents=True, exist_ok=True)
-                fs.get(path, str(local))
+            download(path, local)
         self.barrier("deepspeed_downloaded")
         try:
             return self._load_local(local, weights_only)
