@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -147,10 +148,13 @@ def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
     from mlproject.cluster import kubernetes
     from mlproject.cluster.slurm import check_in_job
-    from mlproject.distributed.launch import check_deepspeed, check_launch
+    from mlproject.distributed.launch import CHECKED_BY_RANK_0, check_deepspeed, check_launch
     from mlproject.distributed.strategies import check_model_parallel
 
-    check_override_types(cfg)
+    # a local rank that rank 0 started after these checks skips the two that cost a compose or a planner estimate
+    checked = os.environ.get(CHECKED_BY_RANK_0) == "1"
+    if not checked:
+        check_override_types(cfg)
     check_ranges(cfg)  # before the topology divides by any of them
     topology = Topology.of(cfg)
     check_in_job(cfg)
@@ -166,5 +170,6 @@ def preflight(cfg: DictConfig) -> Topology:
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
     check_launch(cfg, topology)
     check_deepspeed(cfg, topology)
-    check_memory(cfg, topology)
+    if not checked:
+        check_memory(cfg, topology)
     return topology

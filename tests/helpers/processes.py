@@ -48,8 +48,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     )
     env = {k: v for k, v in make_env().items() if not k.startswith(drop)}
     # One thread per process: the multi-process tests run several processes on few cores, where torch's
-    # default thread pools only spin against each other.
+    # default thread pools only spin against each other, and inductor compiles in the process instead of starting
+    # a pool of compile workers (each a new interpreter importing torch) in every process that compiles.
     env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     env.update(extra)
     return env
 

@@ -1,8 +1,9 @@
 """A warm Python for the test suite's child processes: most of a short run's CPU is its imports (~5 CPU-s of
 torch and Lightning a process), paid again by every rank of every multi-process proof.
 
-`start()` runs one server process that imports torch, Lightning and the package once, before any thread or
-accelerator exists, and returns the path of a stand-in interpreter. `[stand_in, "-m", "mlproject.train", ...]`
+`start()` runs one server process that imports torch, Lightning, the libraries runs use and the package once,
+before any thread or accelerator exists, and returns the path of a stand-in interpreter (which waits for the
+server while it still imports: a cold start costs more). `[stand_in, "-m", "mlproject.train", ...]`
 behaves as `python -m mlproject.train ...` would: the server forks a child that takes the stand-in's
 stdin, stdout and stderr, working directory, environment and arguments, and runs the module as `__main__`.
 The stand-in mirrors the child: a signal sent to it reaches the child's process group (the child is a session
@@ -43,9 +44,10 @@ BOUND_AT_IMPORT = (
     "PYTHONHASHSEED",
     "PYTHONWARNINGS",
     "CUDA_VISIBLE_DEVICES",
+    "TORCHINDUCTOR_COMPILE_THREADS",
 )
 WARM_MODULES = ("mlproject.", "torch.distributed.run")  # `-m` targets run warm; scripts under tests/ too
-IMPORTS = (  # what a run imports anyway, in the order a run does
+IMPORTS = (  # what a run imports anyway, in the order a run does (s3fs: Lightning's object-storage check)
     "torch",
     "lightning.pytorch",
     "torchmetrics",
@@ -53,20 +55,19 @@ IMPORTS = (  # what a run imports anyway, in the order a run does
     "omegaconf",
     "rich",
     "torch.distributed.run",
-    "mlproject.build",
-    "mlproject.checkpoint.state",
-    "mlproject.checkpoint.storage",
-    "mlproject.utils.report",
-    "mlproject.utils.loggers",
-    "mlproject.cluster.requeue",
-    "mlproject.callbacks.progress",
-    "mlproject.distributed.strategies",
+    "torchdata.stateful_dataloader",
+    "s3fs",
 )
+# What some runs import: ~1.1-1.6 CPU-s each. DeepSpeed and inductor ask for a GPU as they import, which must not
+# happen before a fork: preloaded only on a machine that has none.
+OPTIONAL = ("optuna", "mlflow")
+WITHOUT_GPU = ("deepspeed", "torch._inductor.compile_fx")
 
 STAND_IN = r'''#!{python} -S
 # The test suite's warm interpreter (tests/helpers/warm.py): asks its server to run this command.
-import json, os, signal, socket, sys
+import json, os, signal, socket, sys, time
 REAL, SOCKET, TESTS, BOUND = {real!r}, {socket!r}, {tests!r}, {bound!r}  # BOUND: the server's values
+SERVER = {server}  # its pid
 
 
 def cold():
@@ -90,6 +91,19 @@ run = target(sys.argv[1:])
 # started by SLURM (tests/cluster): as a user's job would be, with the real interpreter
 if run is None or "SLURM_JOB_ID" in os.environ or any(os.environ.get(k) != v for k, v in BOUND.items()):
     cold()
+
+
+def starting():
+    """The server is alive (not a zombie) and still importing: waiting for it costs less than a cold start."""
+    try:
+        with open(f"/proc/{{SERVER}}/stat") as stat:
+            return not os.path.exists(SOCKET) and stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+while starting():
+    time.sleep(0.05)
 server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 try:
     server.connect(SOCKET)
@@ -134,11 +148,29 @@ def _receive(conn: socket.socket) -> bytes:
         return b""
 
 
+def preloaded() -> list[str]:
+    """IMPORTS, the optional libraries, and every module of the package but its entry points (`-m` runs them as
+    `__main__`: imported already, they would run twice)."""
+    import importlib.util
+    import pkgutil
+
+    import mlproject
+
+    gpu = any(Path("/dev").glob("nvidia[0-9]*"))
+    package = [
+        m.name
+        for m in pkgutil.walk_packages(mlproject.__path__, "mlproject.")
+        if '__name__ == "__main__"' not in Path(importlib.util.find_spec(m.name).origin).read_text()
+    ]
+    return [*IMPORTS, *OPTIONAL, *(() if gpu else WITHOUT_GPU), *package]
+
+
 def serve(path: str, stand_in: str) -> dict:
     """The server's loop. Returns only in a forked child, with the request it is to run."""
     _die_with_parent()
-    for name in IMPORTS:
-        __import__(name)
+    for name in preloaded():
+        with contextlib.suppress(ImportError):  # an optional extra that is not installed
+            __import__(name)
     gc.freeze()  # children's collections skip what is imported here: its pages stay shared, not copied
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
@@ -264,21 +296,21 @@ def start(project_root: Path, env: dict[str, str]) -> tuple[str, subprocess.Pope
     """Start the server with `env` (the environment test runs get); returns (stand-in path, server)."""
     folder = tempfile.mkdtemp(prefix="warm-python-")
     path, stand_in = f"{folder}/server.sock", f"{folder}/python"
-    bound = {k: env.get(k) for k in BOUND_AT_IMPORT}
+    cmd = [sys.executable, "-m", "tests.helpers.warm", path, stand_in]
+    with open(f"{folder}/server.log", "w") as log:
+        server = subprocess.Popen(cmd, cwd=project_root, env=env, start_new_session=True, stdout=log, stderr=log)
     Path(stand_in).write_text(
         STAND_IN.format(
             python=sys.executable,
             real=sys.executable,
             socket=path,
+            server=server.pid,
             tests=str(project_root / "tests"),
-            bound=bound,
+            bound={k: env.get(k) for k in BOUND_AT_IMPORT},
             warm_modules=WARM_MODULES,
         )
     )
     os.chmod(stand_in, 0o755)
-    cmd = [sys.executable, "-m", "tests.helpers.warm", path, stand_in]
-    with open(f"{folder}/server.log", "w") as log:
-        server = subprocess.Popen(cmd, cwd=project_root, env=env, start_new_session=True, stdout=log, stderr=log)
     return stand_in, server
 
 

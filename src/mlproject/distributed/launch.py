@@ -25,6 +25,8 @@ NO_RELAUNCH = ("single", "ddp_spawn")
 # Set in every process by a launcher that starts all ranks itself: torchrun, Kubeflow (RANK), Open MPI,
 # MPICH / Intel MPI, LSF's jsrun (as Lightning's cluster environments read them).
 EXTERNAL_RANK_VARS = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JSM_NAMESPACE_SIZE")
+# set for the local ranks launch_local_ranks starts: local rank 0 passed preflight with the same config
+CHECKED_BY_RANK_0 = "_MLPROJECT_CHECKED_BY_RANK_0"
 
 
 def launched_externally() -> bool:
@@ -136,7 +138,7 @@ def launch_local_ranks(cfg: DictConfig, topology: Topology) -> None:
         _children.append(
             subprocess.Popen(
                 [*cmd, f"hydra.job.name={hc.job.name}_ddp_process_{rank}"],
-                env={**os.environ, "LOCAL_RANK": str(rank)},
+                env={**os.environ, "LOCAL_RANK": str(rank), CHECKED_BY_RANK_0: "1"},
                 cwd=hc.runtime.cwd,
                 preexec_fn=_die_with_parent(),
             )
