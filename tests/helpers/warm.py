@@ -11,8 +11,8 @@ leader, so its own children, e.g. the local ranks it starts, get it too, as in `
 child's exit status is its own (a child killed by signal N kills the stand-in with N), and a stand-in that
 dies (SIGKILL) takes the child's group with it. Inside the child `sys.executable` is the stand-in, so the
 ranks it starts are warm too. Anything the server cannot run as a cold interpreter would (other modules,
-other Python options, a different PYTHONPATH or thread settings, which bind at import) is handed to the real
-interpreter with exec: the stand-in is then that process.
+other Python options, thread settings, which bind at import, or a PYTHONPATH other than folders put before the
+server's) is handed to the real interpreter with exec: the stand-in is then that process.
 """
 
 from __future__ import annotations
@@ -87,12 +87,6 @@ def target(args):
     return None
 
 
-run = target(sys.argv[1:])
-# started by SLURM (tests/cluster): as a user's job would be, with the real interpreter
-if run is None or "SLURM_JOB_ID" in os.environ or any(os.environ.get(k) != v for k, v in BOUND.items()):
-    cold()
-
-
 def starting():
     """The server is alive (not a zombie) and still importing: waiting for it costs less than a cold start."""
     try:
@@ -102,12 +96,34 @@ def starting():
         return False
 
 
+def extra_path():
+    """The folders this PYTHONPATH puts before the server's (a user's module beside the package), which the child
+    puts on sys.path as a cold start would; None where it differs otherwise or a folder holds a module of a name
+    the server imported (the child would get the server's)."""
+    mine, servers = os.environ.get("PYTHONPATH") or "", BOUND["PYTHONPATH"] or ""
+    if servers and not (mine == servers or mine.endswith(os.pathsep + servers)):
+        return None
+    extra = [p for p in mine[: len(mine) - len(servers)].split(os.pathsep) if p]
+    with open(SOCKET + ".modules") as f:
+        imported = set(f.read().split())
+    names = {{n.partition(".")[0] for p in extra if os.path.isdir(p) for n in os.listdir(p)}}
+    return None if names & imported else extra
+
+
+run = target(sys.argv[1:])
+# started by SLURM (tests/cluster): as a user's job would be, with the real interpreter
+bound = any(os.environ.get(k) != v for k, v in BOUND.items() if k != "PYTHONPATH")
+if run is None or "SLURM_JOB_ID" in os.environ or bound:
+    cold()
 while starting():
     time.sleep(0.05)
+path = [] if os.environ.get("PYTHONPATH") == BOUND["PYTHONPATH"] else extra_path() if os.path.exists(SOCKET) else None
+if path is None:
+    cold()
 server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 try:
     server.connect(SOCKET)
-    request = json.dumps({{"run": run, "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
+    request = json.dumps({{"run": run, "cwd": os.getcwd(), "env": dict(os.environ), "path": path}}).encode()
     socket.send_fds(server, [request], [0, 1, 2])
     pid = int(server.recv(64))
 except (OSError, ValueError):
@@ -172,6 +188,7 @@ def serve(path: str, stand_in: str) -> dict:
         with contextlib.suppress(ImportError):  # an optional extra that is not installed
             __import__(name)
     gc.freeze()  # children's collections skip what is imported here: its pages stay shared, not copied
+    Path(path + ".modules").write_text("\n".join(sorted({m.partition(".")[0] for m in sys.modules})))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -259,6 +276,7 @@ def run_child(request: dict) -> None:
         sys.modules["numpy"].random.seed()
     how, what, argv = request["run"]
     sys.argv = list(argv)
+    sys.path[1:1] = request["path"]  # PYTHONPATH's folders before the server's, as a cold start puts them
     code = 0
     try:
         if how == "module":
