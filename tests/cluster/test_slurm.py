@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from mlproject.cluster.slurm import RENDEZVOUS
 from mlproject.core.constants import PROJECT_ROOT
 from tests.cluster.conftest import CPUS, HIGH, LOW
-from tests.helpers.processes import clean_env, read_metrics, run, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, read_metrics, run, run_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # all jobs start in the first test's setup
 
@@ -45,7 +44,7 @@ CPU_NODE = ["cluster.gpus_per_node=0", "cluster.cpus_per_task=1", "cluster.time_
 
 
 def submit(slurm, log_dir: Path, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "mlproject.submit", f"paths.log_dir={log_dir}", *BASE, *CPU_NODE, *overrides]
+    cmd = [PYTHON, "-m", "mlproject.submit", f"paths.log_dir={log_dir}", *BASE, *CPU_NODE, *overrides]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=clean_env(**slurm.env_extra), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.split()[3]  # "submitted SLURM job <id>"
@@ -134,7 +133,7 @@ def jobs(slurm, tmp_path_factory):
         local = pool.submit(run, "train", *BASE, "trainer.devices=2", log_dir=logs["local"])
         sweeping = pool.submit(
             subprocess.run,
-            [sys.executable, "-m", "mlproject.train", *sweep],
+            [PYTHON, "-m", "mlproject.train", *sweep],
             cwd=PROJECT_ROOT,
             env=clean_env(**slurm.env_extra),
             capture_output=True,

@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import re
 import subprocess
-import sys
 from collections import defaultdict
 from datetime import datetime
 
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.helpers.processes import clean_env, read_metrics
+from tests.helpers.processes import PYTHON, clean_env, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -21,7 +20,7 @@ CPU_JOB = ["cluster.gpus_per_node=0", "cluster.tasks_per_node=1", "cluster.cpus_
 
 
 def test_four_trials_run_as_slurm_jobs_two_at_a_time(slurm, tmp_path):
-    cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
+    cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
     cmd += ["cluster=slurm", "hydra/launcher=slurm", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2"]
     cmd += ["run_id=slurm", "logger=csv", "extras.print_config=false", *TINY, *CPU_JOB]
     cmd += ["hydra.sweeper.pruner.n_startup_trials=10"]  # no pruning: every trial completes

@@ -7,14 +7,13 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
 from tests.helpers.gpt import TINY_GPT
-from tests.helpers.processes import clean_env, run_dirs
+from tests.helpers.processes import PYTHON, clean_env, run_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -56,7 +55,7 @@ def runs(tmp_path_factory) -> dict:
     procs = {}
     for name, overrides in RUNS.items():
         out = tmp_path_factory.mktemp(name)
-        cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={out}", *BASE, *overrides]
+        cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={out}", *BASE, *overrides]
         if name == "slow":
             cmd.append(f"+callbacks.count.dir={out}")
         popen = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)

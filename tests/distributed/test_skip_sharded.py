@@ -6,11 +6,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from mlproject.cluster.requeue import Signals
-from tests.helpers.processes import free_port
+from tests.helpers.processes import free_port, spawn
 
 
 def worker(rank: int, port: int, out: str) -> None:
@@ -32,5 +31,5 @@ def worker(rank: int, port: int, out: str) -> None:
 
 
 def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(worker, free_port(), str(tmp_path), nprocs=2)
     assert [torch.load(tmp_path / f"{r}.pt") for r in range(2)] == [(1, 0.0), (1, 0.0)]

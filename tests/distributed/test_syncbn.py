@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from mlproject.distributed.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
-from tests.helpers.processes import free_port
+from tests.helpers.processes import free_port, spawn
 
 B, C, STEPS, TOL = 4, 3, 3, 1e-5
 
@@ -57,7 +56,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_syncbn_two_processes_equal_one_process_with_twice_the_batch(tmp_path):
     reference = run_bn(nn.BatchNorm2d(C), 0, 1)
-    mp.start_processes(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(worker, 2, free_port(), str(tmp_path), nprocs=2)
     results = {r: torch.load(tmp_path / f"{r}.pt") for r in range(2)}
 
     def gathered(which: int, key: str) -> torch.Tensor:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from mlproject.distributed.syncbn import convert_sync_batchnorm
-from tests.helpers.processes import free_port
+from tests.helpers.processes import free_port, spawn
 
 # 2 ranks x 7 samples x 11 x 11 = 1694 values per channel: not a bf16 number (it rounds to 1696), so a count
 # kept in bf16 would show in the mean.
@@ -37,7 +36,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_bf16_input_gives_fp32_statistics_and_bf16_output(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn(worker, free_port(), str(tmp_path), nprocs=2)
     got = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     # reference: one process, plain BatchNorm in fp32 on the same (bf16-valued) global batch
     (x, w), ref_bn = batch(), nn.BatchNorm2d(C)

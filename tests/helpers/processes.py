@@ -135,27 +135,34 @@ def launch(script: Path, *args: str, world: int, timeout: int = 240) -> None:
     """Start `world` real processes of `script` as ranks of one gloo job on 127.0.0.1 (the environment
     torchrun would give them); Lightning sees LOCAL_RANK and launches nothing itself."""
     port = str(free_port())
+    ranks = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), NODE_RANK="0")
+    envs = [clean_env(**ranks, RANK=str(r), LOCAL_RANK=str(r)) for r in range(world)]
+    wait_all([[PYTHON, str(script), *args]] * world, envs, timeout)
+
+
+# `fn(rank, *args)` in a process: the module-level function `fn` of an importable module, with JSON arguments
+SPAWN = (
+    "import importlib, json, sys; m, f, r, a = sys.argv[1:]; "
+    "getattr(importlib.import_module(m), f)(int(r), *json.loads(a))"
+)
+
+
+def spawn(fn: Callable, *args, nprocs: int, timeout: int = 240) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs) from the warm interpreter: a spawned process is a new
+    interpreter that imports torch and the test module (~5 CPU-s each)."""
+    cmds = [[PYTHON, "-c", SPAWN, fn.__module__, fn.__qualname__, str(r), json.dumps(args)] for r in range(nprocs)]
+    wait_all(cmds, [clean_env()] * nprocs, timeout)
+
+
+def wait_all(cmds: list[list[str]], envs: list[dict], timeout: int) -> None:
+    """Run the commands side by side; each must exit 0 (its output says why not)."""
     procs = [
-        subprocess.Popen(
-            [PYTHON, str(script), *args],
-            cwd=PROJECT_ROOT,
-            env=clean_env(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                WORLD_SIZE=str(world),
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                NODE_RANK="0",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
+        subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in zip(cmds, envs, strict=True)
     ]
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-4000:]}"
+        assert p.returncode == 0, f"process {r} exited {p.returncode}:\n{out[-4000:]}"
 
 
 def make_env() -> dict[str, str]:

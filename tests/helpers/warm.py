@@ -35,8 +35,8 @@ import threading
 import traceback
 from pathlib import Path
 
-# Environment read at import (thread pools, module search path, hashing): a request that differs here from
-# the server's is run cold.
+# Environment read at import (thread pools, module search path, hashing) or cached at the first CUDA query (the
+# visible GPUs, where there are any: gpu()): a request that differs here from the server's is run cold.
 BOUND_AT_IMPORT = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
@@ -164,6 +164,10 @@ def _receive(conn: socket.socket) -> bytes:
         return b""
 
 
+def gpu() -> bool:
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def preloaded() -> list[str]:
     """IMPORTS, the optional libraries, and every module of the package but its entry points (`-m` runs them as
     `__main__`: imported already, they would run twice)."""
@@ -172,13 +176,12 @@ def preloaded() -> list[str]:
 
     import mlproject
 
-    gpu = any(Path("/dev").glob("nvidia[0-9]*"))
     package = [
         m.name
         for m in pkgutil.walk_packages(mlproject.__path__, "mlproject.")
         if '__name__ == "__main__"' not in Path(importlib.util.find_spec(m.name).origin).read_text()
     ]
-    return [*IMPORTS, *OPTIONAL, *(() if gpu else WITHOUT_GPU), *package]
+    return [*IMPORTS, *OPTIONAL, *(() if gpu() else WITHOUT_GPU), *package]
 
 
 def serve(path: str, stand_in: str) -> dict:
@@ -324,7 +327,7 @@ def start(project_root: Path, env: dict[str, str]) -> tuple[str, subprocess.Pope
             socket=path,
             server=server.pid,
             tests=str(project_root / "tests"),
-            bound={k: env.get(k) for k in BOUND_AT_IMPORT},
+            bound={k: env.get(k) for k in BOUND_AT_IMPORT if gpu() or k != "CUDA_VISIBLE_DEVICES"},
             warm_modules=WARM_MODULES,
         )
     )
