@@ -10,12 +10,11 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 
 from mlproject.core.constants import PROJECT_ROOT
-from tests.helpers.processes import clean_env, make_command, run
+from tests.helpers.processes import PYTHON, clean_env, make_command, run
 
 README = PROJECT_ROOT / "README.md"
 NOT_RUN = {"test", "test-fast", "lint", "format", "install"}  # the suite itself, and the tools around it
@@ -46,7 +45,7 @@ def test_readme_command_runs(command, trained_run, tmp_path):
         assert "#SBATCH --nodes=" in proc.stdout
         return
     if module == "export":  # writes one file, no run directory
-        cmd = [sys.executable, "-m", "mlproject.export", *args]
+        cmd = [PYTHON, "-m", "mlproject.export", *args]
         subprocess.run(cmd, cwd=PROJECT_ROOT, env=clean_env(), check=True, capture_output=True, timeout=120)
         assert (tmp_path / "m.pt").stat().st_size > 0
         return

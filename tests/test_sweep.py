@@ -7,7 +7,6 @@ import csv
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from lightning.pytorch import Callback
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.core.errors import ConfigError
 from tests.data.folds import check_folds
-from tests.helpers.processes import PIPES, clean_env, kill_group, read_metrics, run
+from tests.helpers.processes import PIPES, PYTHON, clean_env, kill_group, read_metrics, run
 
 SHORT = [f"trainer.limit_{s}_batches=2" for s in ("train", "val", "test")]  # hparams_search=<recipe> implies -m
 
@@ -160,7 +159,7 @@ def test_a_killed_sweep_continues_its_study(tmp_path):
     import sqlite3
     import time
 
-    cmd = [sys.executable, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
+    cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "hparams_search=digits"]
     cmd += ["hydra.sweeper.n_trials=4", "run_id=study", "extras.print_config=false", "~logger", *TINY]
     cmd += ["hydra.sweeper.pruner.n_startup_trials=10"]  # no pruning: every trial completes
     sweep_dir = tmp_path / "train" / "multiruns" / "study"

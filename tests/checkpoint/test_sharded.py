@@ -131,12 +131,11 @@ def test_fsdp_checkpoints_resume_anywhere(tmp_path):
 
 def assert_cli(args: list[str]) -> None:
     import subprocess
-    import sys
 
     from mlproject.core.constants import PROJECT_ROOT
-    from tests.helpers.processes import clean_env
+    from tests.helpers.processes import PYTHON, clean_env
 
-    proc = subprocess.run([sys.executable, *args], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True)
+    proc = subprocess.run([PYTHON, *args], cwd=PROJECT_ROOT, env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
