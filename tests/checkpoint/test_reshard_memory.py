@@ -37,6 +37,7 @@ GPT = [
     "trainer.accelerator=cpu",
     "extras.print_config=false",
     "callbacks=none",
+    "trainer.enable_checkpointing=false",  # the checkpoints read here are the callbacks' (tests/helpers/callbacks.py)
     "~logger",
     "test=false",
     "model.net.n_layer=6",
