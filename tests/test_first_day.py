@@ -15,11 +15,13 @@ from mlproject.core.constants import PROJECT_ROOT
 from mlproject.utils.report import apply_extras
 from tests.helpers.processes import FAST, read_metrics, run, run_dirs
 
+SMALL = "data.batch_size=16"  # short steps for the default model, the GPT of a GPT-only project too
+
 
 def test_trainer_flags_need_no_plus_and_metrics_json_holds_val_without_test(tmp_path):
     """trainer.max_steps / val_check_interval / limit_*_batches set bare; with test=false metrics.json holds
     the final validation's metrics (not `{}`)."""
-    flags = ["trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+    flags = ["trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", SMALL]
     run("train", *FAST, *flags, "trainer.check_val_every_n_epoch=null", "test=false", log_dir=tmp_path)
     (run_dir,) = run_dirs(tmp_path)
     with open(run_dir / "csv" / "metrics.csv") as f:
@@ -28,14 +30,14 @@ def test_trainer_flags_need_no_plus_and_metrics_json_holds_val_without_test(tmp_
     assert last["global_step"] == 3
     metrics = read_metrics(run_dir)
     assert {"val/acc", "val/loss", "val/samples"} <= set(metrics) and not any(k.startswith("test/") for k in metrics)
-    assert metrics["val/samples"] == 64  # the one validation batch, counted exactly
+    assert metrics["val/samples"] == 16  # the one validation batch, counted exactly
 
 
 def test_debug_overfit_runs(tmp_path):
     """debug=overfit: Lightning rebuilds the training loader with a batch sampler (its batch_size is None)."""
-    proc = run("train", *FAST, "debug=overfit", log_dir=tmp_path)
+    proc = run("train", *FAST, "debug=overfit", SMALL, log_dir=tmp_path)
     (run_dir,) = run_dirs(tmp_path, "debug")
-    assert "effective batch 64 (64 per device x 1 data-parallel rank(s) x 1 accumulation)" in proc.stdout
+    assert "effective batch 16 (16 per device x 1 data-parallel rank(s) x 1 accumulation)" in proc.stdout
     data = instantiate(OmegaConf.load(run_dir / ".hydra" / "config.yaml").data)
     data.prepare_data()
     data.setup("test")

@@ -13,6 +13,7 @@ from tests.checkpoint.helpers import run_dir, train
 
 # 3 epochs of 5 optimizer steps, a resume checkpoint every 2 steps: most of them fall between validations
 SHORT = ["trainer.limit_train_batches=5", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
+SHORT += ["data.batch_size=16"]  # small steps for the GPT of a GPT-only project too
 EVERY_2_STEPS = "callbacks.last_checkpoint.every_n_train_steps=2"
 
 
