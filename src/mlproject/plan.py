@@ -355,7 +355,10 @@ def plan(overrides: list[str]) -> Plan:
     others = [o for o in overrides if o not in given]  # a candidate's strategy replaces the configured one whole
     rows = []
     for layout in candidates(cfg, topology):
-        rows.append(largest(compose("train", [*others, *layout]), " ".join(layout)))
+        if layout == given:  # the configured layout, estimated above (a copy: the table marks the configured row)
+            rows.append(replace(configured))
+        else:
+            rows.append(largest(compose("train", [*others, *layout]), " ".join(layout)))
     return Plan(topology, configured, rows, device_memory(cfg))
 
 
