@@ -117,7 +117,7 @@ if run is None or "SLURM_JOB_ID" in os.environ or bound:
     cold()
 while starting():
     time.sleep(0.05)
-path = [] if os.environ.get("PYTHONPATH") == BOUND["PYTHONPATH"] else extra_path() if os.path.exists(SOCKET) else None
+path = extra_path() if os.path.exists(SOCKET) else None  # no socket: the server ended
 if path is None:
     cold()
 server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -315,7 +315,7 @@ def run_child(request: dict) -> None:
 
 def start(project_root: Path, env: dict[str, str]) -> tuple[str, subprocess.Popen]:
     """Start the server with `env` (the environment test runs get); returns (stand-in path, server)."""
-    folder = tempfile.mkdtemp(prefix="warm-python-")
+    folder, cuda = tempfile.mkdtemp(prefix="warm-python-"), gpu()
     path, stand_in = f"{folder}/server.sock", f"{folder}/python"
     cmd = [sys.executable, "-m", "tests.helpers.warm", path, stand_in]
     with open(f"{folder}/server.log", "w") as log:
@@ -327,7 +327,7 @@ def start(project_root: Path, env: dict[str, str]) -> tuple[str, subprocess.Pope
             socket=path,
             server=server.pid,
             tests=str(project_root / "tests"),
-            bound={k: env.get(k) for k in BOUND_AT_IMPORT if gpu() or k != "CUDA_VISIBLE_DEVICES"},
+            bound={k: env.get(k) for k in BOUND_AT_IMPORT if cuda or k != "CUDA_VISIBLE_DEVICES"},
             warm_modules=WARM_MODULES,
         )
     )
