@@ -82,8 +82,8 @@ OTHER_DATA = [d for d in ("text", "digits") if d != DATA and (CONFIG_DIR / f"dat
 if OTHER_DATA:  # another example's data under the default model: caught at the first batch
     CASES["data does not fit the model"] = (
         [f"data={OTHER_DATA[0]}", "trainer.limit_train_batches=1"],
-        f"data={OTHER_DATA[0]} (configs/data/{OTHER_DATA[0]}.yaml) does not fit model={MODEL} "
-        f"(configs/model/{MODEL}.yaml) at the first batch:",
+        f"with data={OTHER_DATA[0]} (configs/data/{OTHER_DATA[0]}.yaml) and model={MODEL} "
+        f"(configs/model/{MODEL}.yaml): if they are not a pair, pick matching data= and model=",
     )
 
 

@@ -14,7 +14,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mlproject.core.errors import ConfigError
+from mlproject.core.errors import ConfigError, root_cause, user_frame
 
 ABSENT = object()  # a key a config does not set
 
@@ -144,11 +144,25 @@ def explain(cfg: DictConfig, key: str, exc: Exception) -> str:
     return f"{with_source(cfg, key)} could not be built: {cause}"
 
 
+def config_mistake(cfg: DictConfig, key: str, exc: InstantiationException) -> bool:
+    """Whether the config is what is wrong: a library raised (a `_target_` that cannot be imported), or a class of
+    the config was called with arguments it does not take, even through a subclass passing **kwargs on."""
+    root = root_cause(exc)
+    if not user_frame(exc):
+        return True
+    called = re.match(r"(\w+)\.__init__\(\) (got an unexpected keyword|missing \d+ required)", str(root))
+    classes = {t.rpartition(".")[2] for t in targets(OmegaConf.select(cfg, key), key).values()}
+    return isinstance(root, TypeError) and called is not None and called.group(1) in classes
+
+
 def instantiate_at(cfg: DictConfig, key: str, **kwargs):
-    """`instantiate(cfg.<key>)`; a wrong `_target_` or argument is a ConfigError naming key, file and name."""
+    """`instantiate(cfg.<key>)`; a wrong `_target_` or argument is a ConfigError naming key, file and name. An
+    exception the constructor itself raised is the user's bug, not the config's: it propagates with its frame."""
     try:
         return instantiate(OmegaConf.select(cfg, key), **kwargs)
     except InstantiationException as exc:
+        if not config_mistake(cfg, key, exc):
+            raise root_cause(exc) from None
         raise ConfigError(explain(cfg, key, exc)) from exc  # the chain: HYDRA_FULL_ERROR=1 shows the library's frames
 
 
@@ -202,7 +216,9 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
 
 @contextlib.contextmanager
 def first_batch_fits(cfg: DictConfig, trainer):
-    """Around fit/test: a shape error before the first optimizer step means data and model disagree; say which."""
+    """Around fit/test: a shape error before the first optimizer step names the layer that raised it, the shapes
+    it met and the line of the model that called it (the data and the model may not be a pair, or the model has
+    a bug: both read the same)."""
     try:
         yield
     except RuntimeError as exc:
@@ -210,7 +226,35 @@ def first_batch_fits(cfg: DictConfig, trainer):
         if trainer.global_step or not any(w in str(exc) for w in words):
             raise
         first = str(exc).strip().splitlines()[0]
+        where = user_frame(exc)
+        at = f" ({where.filename}:{where.lineno})" if where else ""
         raise ConfigError(
-            f"{chosen(cfg, 'data')} does not fit {chosen(cfg, 'model')} at the first batch: {first}; pick a "
-            "matching data= and model= pair (or an experiment=), or make the model's input size the data's"
+            f"at the first batch, {layer_and_shapes(exc, trainer.lightning_module)}{at}: {first}; with "
+            f"{chosen(cfg, 'data')} and {chosen(cfg, 'model')}: if they are not a pair, pick matching data= and "
+            "model= (or an experiment=), or make the model's input size the data's"
         ) from exc
+
+
+def layer_and_shapes(exc: BaseException, model) -> str:
+    """`net.fc (Linear, weight 10x32) got input 64x64`: the innermost module whose forward was running when
+    `exc` was raised, read from the traceback's frames (no hooks on the model, nothing per step)."""
+    import torch
+
+    names = {id(m): name for name, m in model.named_modules()} if model is not None else {}
+    module, inputs, tb = None, [], exc.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if tb.tb_frame.f_code.co_name == "forward" and isinstance(local.get("self"), torch.nn.Module):
+            module = local["self"]
+            inputs = [v for k, v in local.items() if k != "self" and isinstance(v, torch.Tensor)]
+        tb = tb.tb_next
+    if module is None:
+        return "the model"
+    weight = getattr(module, "weight", None)
+    kind = type(module).__name__ + (f", weight {shape(weight)}" if isinstance(weight, torch.Tensor) else "")
+    got = f" got input {', '.join(map(shape, inputs[:2]))}" if inputs else ""
+    return f"{names.get(id(module)) or 'the model'} ({kind}){got}"
+
+
+def shape(tensor) -> str:
+    return "x".join(map(str, tensor.shape))

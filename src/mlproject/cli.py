@@ -90,21 +90,43 @@ def exit_with(exc: BaseException) -> None:
     sys.exit(2)
 
 
-def discard_run_dir() -> None:
-    """A run refused before it trained (preflight, or a config error at the first batch) leaves no folder
-    behind. Hydra made the run directory before the task ran; rank 0 removes it unless it holds checkpoints
-    or metrics (a run resumed in place). Other ranks share the directory and leave it to rank 0."""
-    import shutil
-    from pathlib import Path
+def report_bug(exc: BaseException) -> None:
+    """An exception raised in code: the full traceback into the run's log file, and a few lines here, the error
+    and the innermost frame outside installed libraries (where the user's code raised it or called into one)."""
+    import logging
+    import traceback
 
+    from mlproject.core.errors import root_cause, user_frame
+
+    root = root_cause(exc)
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    record = logging.getLogger(__name__).makeRecord(
+        __name__, logging.ERROR, __file__, 0, "the run failed:", None, (type(exc), exc, exc.__traceback__)
+    )
+    for handler in files:
+        handler.handle(record)
+    lines = [f"error: {type(root).__name__}: {root}".rstrip()]
+    if frame := user_frame(exc):
+        lines += traceback.format_list([frame])[0].rstrip().splitlines()
+    where = f"the full traceback is in {files[0].baseFilename}, or " if files else "the full traceback: "
+    lines.append(f"({where}run again with HYDRA_FULL_ERROR=1)")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def discard_run_dir(cfg) -> None:
+    """A run refused before it trained (preflight, or a config error at the first batch) leaves no folder it made
+    behind: rank 0 removes the run directory if this process created it (core/rundir.py), else says it kept it."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from mlproject.core.rundir import discard, is_primary
 
     hc = HydraConfig.get()
-    if hc.mode.name != "RUN" or os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) != "0":
+    if hc.mode.name != "RUN" or hc.output_subdir is None or not is_primary():  # export writes no run directory
         return
-    run_dir = Path(hc.runtime.output_dir)
-    if run_dir.is_dir() and not any((run_dir / kept).exists() for kept in ("checkpoints", "metrics.json")):
-        shutil.rmtree(run_dir, ignore_errors=True)  # ranks of other nodes may race for it
+    log_dir = OmegaConf.select(cfg, "paths.log_dir", default=None)
+    if log_dir and (kept := discard(hc.runtime.output_dir, log_dir)):
+        print(f"note: {kept}", file=sys.stderr)
 
 
 def hydra_entry(config_name: str):
@@ -126,11 +148,18 @@ def hydra_entry(config_name: str):
             except ERRORS as exc:
                 from hydra.core.hydra_config import HydraConfig
 
-                discard_run_dir()
+                discard_run_dir(cfg)
                 if HydraConfig.get().mode.name == "MULTIRUN":  # one trial fails: Hydra records it, the sweep goes on
                     print(f"error: trial {HydraConfig.get().job.num}: {one_line(exc)}", file=sys.stderr)
                     raise
                 exit_with(exc)
+            except Exception as exc:  # a bug in code, the user's or ours: its frame, never a config message
+                from hydra.core.hydra_config import HydraConfig
+
+                if HydraConfig.get().mode.name == "MULTIRUN" or os.environ.get("_MLPROJECT_FULL_ERROR") == "user":
+                    raise
+                report_bug(exc)
+                sys.exit(1)
 
         wrapped = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(job)
 
