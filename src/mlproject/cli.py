@@ -10,6 +10,7 @@ import re
 import sys
 
 import hydra
+import yaml
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -176,6 +177,11 @@ def hydra_entry(config_name: str):
                 return wrapped()
             except ERRORS as exc:
                 exit_with(did_you_mean(exc, config_name, sys.argv[1:]) or exc)
+            except yaml.YAMLError as exc:  # a config file that is not YAML: its file and line, not the parser's stack
+                mark = getattr(exc, "problem_mark", None)
+                where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}: " if mark else ""
+                what = " ".join(str(getattr(exc, k) or "") for k in ("context", "problem")).strip() or str(exc)
+                exit_with(ConfigError(f"{where}not valid YAML ({what}); fix that line of the file"))
             except ValueError as exc:  # Hydra reports `group=null` with a plain ValueError
                 if "Config group override must be" not in str(exc):
                     raise

@@ -14,6 +14,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path, ckpt_dir: str 
     with a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
     from mlproject.checkpoint.convert import checkpoint_format, is_remote
     from mlproject.core.errors import CheckpointError
+    from mlproject.core.resolvers import generated_run_id
 
     if ckpt_path == "auto" and ckpt_dir and is_remote(ckpt_dir):
         from fsspec.core import url_to_fs
@@ -28,6 +29,13 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path, ckpt_dir: str 
         # a crash while a sharded last.ckpt was replaced leaves the complete last.ckpt.tmp (storage.replace_checkpoint)
         done = [url for url in (last, f"{last}.tmp") if complete(url)]
         ckpt_path = done[0] if done else last if url_to_fs(last)[0].exists(last) else None
+    if ckpt_path == "auto" and Path(run_dir).name == generated_run_id():
+        from mlproject.utils.rank_logging import get_logger
+
+        get_logger(__name__).warning(
+            f"ckpt_path=auto starts fresh: no run_id= was given, so this run has a new id ({generated_run_id()}) "
+            "and no checkpoint of its own; to resume a run, give its run_id= (its folder name under runs/)"
+        )
     if ckpt_path == "auto":
         last = Path(run_dir) / "checkpoints" / "last.ckpt"
         aside = Path(f"{last}.old")  # a crash between the two renames of a directory save (checkpoint/storage.py)
