@@ -2,7 +2,8 @@
 
 Runs the datamodule's `prepare_data()` in this process, as the first training run on a node would, from
 the same data config (so training finds the manifest and starts at once). Run it on each node whose
-data.dir is node-local, or once where it is shared; nothing is redone while the manifest matches. For a
+data.dir is node-local, or once where it is shared; nothing is redone while the manifest matches and the files
+still match it (a damaged preparation, which a run refuses, is made again here). For a
 corpus that takes longer to prepare than `strategy.timeout`, this is the way: inside a job the node's
 other ranks wait for the preparation in a barrier with that timeout.
 """

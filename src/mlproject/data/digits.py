@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import Subset, TensorDataset
 
 from mlproject.core.errors import ConfigError
+from mlproject.data.labels import check_labels
 from mlproject.training.datamodule import DataModule
 
 
@@ -30,6 +31,7 @@ class DigitsDataModule(DataModule):
         images, labels = load_digits(return_X_y=True)
         x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0  # pixels are 0..16
         y = torch.tensor(labels, dtype=torch.long)
+        check_labels(self, int(y.max()), "the digits' labels")
         data, hp = TensorDataset(x, y), self.hparams
         if hp.val_size + hp.test_size >= len(data):
             raise ConfigError(

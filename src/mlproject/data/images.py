@@ -20,11 +20,20 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from mlproject.core.errors import ConfigError
+from mlproject.data.labels import check_labels
 from mlproject.data.preparation import prepare, read_manifest
 from mlproject.training.datamodule import DataModule, fold_indices
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 SOURCES = (None, "digits")
+
+
+class UnreadableImage(ConfigError):
+    """An image file Pillow cannot decode. Raised in a DataLoader worker, it is raised again in the main process
+    with the worker's traceback as its message (torch's ExceptionWrapper): the message keeps only its own line."""
+
+    def __init__(self, message: str):
+        super().__init__(message.rpartition(f"{__name__}.UnreadableImage: ")[2].rstrip())
 
 
 class ImageFiles(Dataset):
@@ -38,11 +47,16 @@ class ImageFiles(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         path, label = self.samples[i]
-        with Image.open(path) as image:
-            image = image.convert("L" if self.channels == 1 else "RGB").resize((self.size, self.size))
+        try:
+            with Image.open(path) as image:
+                image = image.convert("L" if self.channels == 1 else "RGB").resize((self.size, self.size))
+        except Exception as exc:  # whatever Pillow raises (OSError, SyntaxError, ValueError...), this file is the cause
+            unknown = isinstance(exc, UnidentifiedImageError)  # its text only repeats the path
+            why = "no format Pillow knows" if unknown else f"{type(exc).__name__}: {exc}"
+            raise UnreadableImage(f"{path} cannot be read as an image ({why}); replace or remove the file") from None
         x = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).view(self.size, self.size, self.channels)
         return self.augment(x.permute(2, 0, 1)), label
 
@@ -126,6 +140,7 @@ class ImagesDataModule(DataModule):
 
     def splits(self):
         hp, samples = self.hparams, self.files()
+        check_labels(self, samples[-1][1], f"the labels of the class folders in data.dir={self.dir}")  # by class
         n_val, n_test = int(len(samples) * hp.val_fraction), int(len(samples) * hp.test_fraction)
         if min(n_val, n_test, len(samples) - n_val - n_test) < 1:
             raise ConfigError(

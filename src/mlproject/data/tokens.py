@@ -3,8 +3,9 @@
 `prepare_data` (data/preparation.py: local rank 0 of each node, atomically, skipped when the manifest
 matches) tokenizes the files of `source` into `dir`: shards of token ids (`tokens-00000.bin`, ...), the
 BPE tokenizer if any (`tokenizer.json`) and `manifest.json` (input files, token counts, sha256 checksums
-that `sha256sum` can check). Training reads windows through np.memmap: a rank holds only the windows of
-its batch, whatever the size of the corpus.
+that `sha256sum` can check). Before a run reads them, the shards are checked against the manifest (their
+lengths, and their sha256 where a file changed since it last matched: `damage`). Training reads windows through
+np.memmap: a rank holds only the windows of its batch, whatever the size of the corpus.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import bisect
 import glob
 import hashlib
 import itertools
+import json
+import os
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +32,7 @@ from mlproject.training.datamodule import DataModule, fold_split
 TOKENIZERS = ("bytes", "bpe")
 CHUNK = 1 << 24  # bytes of text read at a time: about what preparation holds in memory
 FORMAT = 1  # bump when the shard layout changes, so old preparations are redone
+VERIFIED = "verified.json"  # {shard: [size, mtime_ns]} of each shard as it was when its sha256 last matched
 
 
 class ShardWriter:
@@ -60,6 +65,49 @@ class ShardWriter:
             self.shards[-1]["sha256"] = self.hash.hexdigest()
             self.file = None
         return self.shards
+
+
+def stamps(dir: Path, files: list[str]) -> dict[str, list[int]]:
+    return {f: [(st := (dir / f).stat()).st_size, st.st_mtime_ns] for f in files}
+
+
+def write_verified(dir: Path, verified: dict[str, list[int]]) -> None:
+    """Atomically, by whichever process checked (several nodes may share `dir`); a read-only `dir` keeps none."""
+    tmp = dir / f"{VERIFIED}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(verified))
+        os.replace(tmp, dir / VERIFIED)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def damage(dir: Path, manifest: dict) -> str | None:
+    """What is wrong with the prepared shards (None: nothing): a shard missing, of another length than its
+    count of tokens, or whose sha256 is not the manifest's. Hashing reads the whole corpus (~0.5 GiB/s a core),
+    so only shards whose size or modification time changed since their hash last matched are hashed, a few
+    at a time."""
+    dtype, shards = manifest["dtype"], manifest["shards"]
+    for shard in shards:
+        path, tokens = dir / shard["file"], shard["tokens"]
+        if not path.is_file():
+            return f"{path} is missing, not the manifest's {tokens} tokens"
+        if (size := path.stat().st_size) != (expected := tokens * np.dtype(dtype).itemsize):
+            return f"{path} has {size} bytes, not the manifest's {expected} ({tokens} {dtype} tokens)"
+    now = stamps(dir, [s["file"] for s in shards])
+    verified = json.loads((dir / VERIFIED).read_text()) if (dir / VERIFIED).is_file() else {}
+    changed = [s for s in shards if verified.get(s["file"]) != now[s["file"]]]
+
+    def sha256(shard: dict) -> str:
+        with open(dir / shard["file"], "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib hashes outside the GIL
+        for shard, digest in zip(changed, pool.map(sha256, changed), strict=True):
+            if digest != (want := shard["sha256"]):
+                return f"{dir / shard['file']} has sha256 {digest[:16]}..., not the manifest's {want[:16]}..."
+    if changed:
+        write_verified(dir, now)
+    return None
 
 
 def text_chunks(files: list[Path]) -> Iterator[str]:
@@ -175,8 +223,10 @@ class TokensDataModule(DataModule):
         }
 
     def prepare_data(self) -> None:
+        """Inside a run (Lightning's call) damaged shards are refused; called alone (mlproject.prepare), they
+        are prepared again."""
         files = self.files()
-        prepare(self.dir, self.key(files), lambda tmp: self.build(files, tmp))
+        prepare(self.dir, self.key(files), lambda tmp: self.build(files, tmp), damage, repair=self.trainer is None)
 
     def build(self, files: list[Path], tmp: Path) -> dict:
         hp = self.hparams
@@ -195,6 +245,7 @@ class TokensDataModule(DataModule):
         for ids in chunks:
             writer.write(ids)
         shards = writer.close()
+        write_verified(tmp, stamps(tmp, [s["file"] for s in shards]))  # hashed while written
         return {
             "tokenizer": hp.tokenizer,
             "vocab_size": vocab,
