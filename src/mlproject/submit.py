@@ -17,12 +17,15 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from mlproject.cli import ERRORS, one_line
 from mlproject.cluster import kubernetes
+from mlproject.cluster.names import given_run_id
 from mlproject.cluster.slurm import check_before_submit, sbatch_script
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.resolvers import register_resolvers
+from mlproject.core.rundir import check_names
 from mlproject.plan import check_fits
 
 
@@ -36,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides)
+            # they name folders of the paths below; `${run_id:}` unresolved (it would make up an id here) stands
+            # for the job's own id, SLURM_JOB_ID or the TrainJob's name, which are folder names
+            check_names(OmegaConf.create({"task_name": cfg.task_name, "run_id": given_run_id(cfg) or "job-id"}))
             on_kubernetes = cfg.cluster.get("scheduler") == "kubernetes"
             topology = kubernetes.check_before_submit(cfg, overrides) if on_kubernetes else check_before_submit(cfg)
             if check_memory and cfg.cluster.get("gpus_per_node"):  # the plan is of GPU memory
@@ -45,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         if on_kubernetes:
             name = kubernetes.job_name(cfg)
             manifest = kubernetes.manifest(cfg, topology, overrides, name)
-            run_dir = f"{kubernetes.log_dir(cfg, overrides)}/{cfg.task_name}/runs/{name}"
+            run_dir = kubernetes.run_dir(cfg, overrides, name)
             return apply(cfg.cluster.namespace, manifest, name, run_dir, dry_run)
         slurm_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
-        script = sbatch_script(cfg, topology, overrides, workdir=os.getcwd(), output=str(slurm_dir / "%j.out"))
+        output = str(slurm_dir).replace("%", "%%") + "/%j.out"  # sbatch expands %<letter> in the path, %% is a %
+        script = sbatch_script(cfg, topology, overrides, workdir=os.getcwd(), output=output)
     except ERRORS as exc:  # one line and exit 2, as in train
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: sbatch refused the job: {proc.stderr.strip()}", file=sys.stderr)
         return 1
     job = proc.stdout.strip().split(";")[0]  # "<job id>[;<cluster>]"
-    run_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "runs" / job
+    run_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "runs" / (given_run_id(cfg) or job)
     print(f"submitted SLURM job {job}\n  log: {slurm_dir / (job + '.out')}\n  run directory: {run_dir}")
     return 0
 

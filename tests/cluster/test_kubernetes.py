@@ -53,6 +53,12 @@ def render(capsys, *overrides: str) -> tuple[dict, dict]:
     return runtime, job
 
 
+def kubelet_expand(arg: str, env: dict[str, str]) -> str:
+    """A container argument as the kubelet passes it: $(VAR) is VAR's value where VAR is set, $$ is $, the rest as it
+    is (kubernetes/third_party/forked/golang/expansion)."""
+    return re.sub(r"\$(\$|\(([^)]*)\))", lambda m: "$" if m[1] == "$" else env.get(m[2], m[0]), arg)
+
+
 def train_args(job: dict) -> list[str]:
     command = job["spec"]["trainer"]["command"]
     return command[command.index("mlproject.train") + 1 :]
@@ -104,6 +110,18 @@ def test_contradicting_layout_is_refused(capsys, no_sbatch, override, message):
     assert submit.main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(("override", "run_id"), [([], "digits-k8s"), (["run_id=abc"], "abc")], ids=["job", "given"])
+def test_dry_run_prints_the_run_directory_the_pods_write(capsys, compose_cfg, no_sbatch, monkeypatch, override, run_id):
+    assert submit.main(["--dry-run", "--no-plan", "cluster=kubernetes", "cluster.job_name=digits-k8s", *override]) == 0
+    out = capsys.readouterr().out
+    _, job = yaml.safe_load_all(out)
+    monkeypatch.setenv("MLPROJECT_RUN_ID", job["metadata"]["name"])  # the pods' id: the downward API's label
+    cfg = compose_cfg(*train_args(job))  # as the pods compose it
+    written = f"{cfg.paths.log_dir}/{cfg.task_name}/runs/{cfg.run_id}"  # configs/hydra/default.yaml's run.dir
+    assert written == f"/mnt/shared/logs/train/runs/{run_id}"
+    assert out.splitlines()[0].endswith(f"; run directory {written}")
 
 
 def test_submit_without_kubectl_says_so(capsys, no_sbatch, monkeypatch, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from lightning.pytorch import Callback
 
 from mlproject.core.constants import EXIT_SIGTERM, PROJECT_ROOT
 from tests.checkpoint.helpers import assert_bitwise
-from tests.cluster.test_kubernetes import render
+from tests.cluster.test_kubernetes import kubelet_expand, render
 from tests.distributed.conftest import EXACT, STEPS, assert_same_training, train_steps
 from tests.helpers.processes import clean_env, free_port, kill_group, run_dirs, together
 
@@ -51,9 +50,14 @@ def pod_commands(job: dict, log_dir: Path, *extra: str) -> tuple[list[list[str]]
         env |= {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"])}
         env |= {"PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
         envs.append(clean_env(**env))
-    expand = lambda arg, env: re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)  # noqa: E731
     commands = [
-        [sys.executable, *(expand(a, env) for a in trainer["command"][1:]), *EXACT, f"paths.log_dir={log_dir}", *extra]
+        [
+            sys.executable,
+            *(kubelet_expand(a, env) for a in trainer["command"][1:]),
+            *EXACT,
+            f"paths.log_dir={log_dir}",
+            *extra,
+        ]
         for env in envs
     ]
     return commands, envs

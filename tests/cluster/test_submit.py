@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import pytest
@@ -62,3 +63,20 @@ def test_train_with_cluster_slurm_outside_a_job_is_refused(compose_cfg, monkeypa
         check_in_job(cfg)
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     check_in_job(cfg)  # inside an srun task it is fine
+
+
+@pytest.mark.parametrize(("override", "run_id"), [([], "4242"), (["run_id=abc"], "abc")], ids=["job", "given"])
+def test_submit_names_the_directories_the_job_writes(capsys, tmp_path, monkeypatch, override, run_id):
+    """A stand-in sbatch on PATH keeps the script and answers job id 4242: the script's log path keeps a '%' of
+    paths.log_dir literal (sbatch reads %<letter> in it), and the run directory printed is the job's."""
+    bin_dir, log_dir = tmp_path / "bin", tmp_path / "100%"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ncat > {tmp_path}/job.sh\necho 4242\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert submit.main(["--no-plan", "trainer=gpu", f"paths.log_dir={log_dir}", *override]) == 0
+    assert f"#SBATCH --output={tmp_path}/100%%/train/slurm/%j.out\n" in (tmp_path / "job.sh").read_text()
+    assert capsys.readouterr().out == (
+        f"submitted SLURM job 4242\n  log: {log_dir}/train/slurm/4242.out\n"
+        f"  run directory: {log_dir}/train/runs/{run_id}\n"
+    )

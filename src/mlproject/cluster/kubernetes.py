@@ -20,6 +20,7 @@ import yaml
 from omegaconf import DictConfig
 
 from mlproject.cluster import allocation
+from mlproject.cluster.names import container_arg, given_run_id, single_line
 from mlproject.core.errors import ConfigError
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
@@ -29,8 +30,10 @@ NODE = "node"  # the runtime's replicated job and container: where the torch plu
 ANCESTOR = {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}  # marks that job as the trainer's
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"  # a label of every pod: the JobSet's name, which is the TrainJob's
 MARGIN_SECONDS = 30  # beyond cluster.save_seconds: torchrun forwards SIGTERM, the processes exit
-NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # the TrainJob CRD's rule (RFC 1035 label)
+NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # the TrainJob CRD's rule (RFC 1035 label)
 MAX_NAME = 40  # pod hostnames <name>-node-<i>-0 and the names Kubernetes derives from them stay within 63
+NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
+MOUNT = re.compile(r"(/[\w.-]+)+")  # an absolute path that is also a Hydra override's plain value
 WHOLE = {  # key: least value
     "nodes": 1,
     "gpus_per_node": 0,
@@ -59,9 +62,16 @@ def check_in_job(cfg: DictConfig) -> None:
 
 
 def job_name(cfg: DictConfig) -> str:
-    """cluster.job_name, else <task_name>-<date>-<time>: one new run per submission."""
-    name = cfg.cluster.job_name or f"{cfg.task_name}-{datetime.now():%Y%m%d-%H%M%S}".lower().replace("_", "-")
-    if not NAME.match(name) or len(name) > MAX_NAME:
+    """cluster.job_name, checked; else one derived from task_name, <task>-<date>-<time> (one new run per
+    submission), where <task> is task_name in lowercase, each run of other characters than letters and digits a
+    '-', shortened to fit."""
+    if not cfg.cluster.job_name:
+        stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+        task = re.sub(r"[^a-z0-9]+", "-", str(cfg.task_name).lower()).strip("-")
+        task = task if task[:1].isalpha() else f"run-{task}"  # a name starts with a letter
+        return f"{task[: MAX_NAME - len(stamp) - 1].rstrip('-')}-{stamp}"
+    name = str(cfg.cluster.job_name)
+    if not NAME.fullmatch(name) or len(name) > MAX_NAME:
         raise ConfigError(
             f"cluster.job_name={name!r} is not a Kubernetes name: lowercase letters, digits and '-', starting "
             f"with a letter, at most {MAX_NAME} characters; set cluster.job_name"
@@ -74,7 +84,12 @@ def log_dir(cfg: DictConfig, overrides: list[str]) -> str:
     c = cfg.cluster
     given = next((o.split("=", 1)[1] for o in overrides if o.startswith("paths.log_dir=")), None)
     mount = c.mount_path.rstrip("/")
-    if given is not None and not given.startswith(mount + "/"):
+    if not MOUNT.fullmatch(mount) or ".." in mount.split("/"):
+        raise ConfigError(
+            f"cluster.mount_path={c.mount_path!r} must be an absolute path of letters, digits and _ . - "
+            "(e.g. /mnt/shared)"
+        )
+    if given is not None and (not given.startswith(mount + "/") or ".." in given.split("/")):
         raise ConfigError(
             f"paths.log_dir={given} is not on the pods' shared volume; drop it (the pods write to {mount}/logs) "
             "or put it under cluster.mount_path"
@@ -87,19 +102,37 @@ def log_dir(cfg: DictConfig, overrides: list[str]) -> str:
     return given or f"{mount}/logs"
 
 
+def run_dir(cfg: DictConfig, overrides: list[str], name: str) -> str:
+    """Where the pods' run writes, <log_dir>/<task_name>/runs/<run_id>: the run id is the TrainJob's name unless
+    run_id is set (in the config or an override), which every pod then composes alike."""
+    return f"{log_dir(cfg, overrides)}/{cfg.task_name}/runs/{given_run_id(cfg) or name}"
+
+
+def check_namespace(cfg: DictConfig) -> str:
+    ns = str(cfg.cluster.namespace)
+    if not NAMESPACE.fullmatch(ns):
+        raise ConfigError(
+            f"cluster.namespace={ns!r} is not a Kubernetes namespace: lowercase letters, digits and '-', starting "
+            "and ending with a letter or digit, at most 63 characters"
+        )
+    return ns
+
+
 def check_before_submit(cfg: DictConfig, overrides: list[str]) -> Topology:
     """What preflight would refuse in the pods, minus what only the nodes can tell (their GPUs); the job's name
     and where it writes."""
     check_ranges(cfg)
     check_allocation(cfg)
+    check_namespace(cfg)
     job_name(cfg)
     log_dir(cfg, overrides)
     return Topology.of(cfg).validate()
 
 
 def manifest(cfg: DictConfig, topology: Topology, overrides: list[str], name: str) -> str:
-    """The TrainingRuntime and the TrainJob, as one YAML stream for `kubectl apply -f -`."""
-    c, meta = cfg.cluster, {"name": name, "namespace": cfg.cluster.namespace}
+    """The TrainingRuntime and the TrainJob, as one YAML stream for `kubectl apply -f -`: values are data for the
+    YAML dumper, and reach the pods' command line as written ($ escaped); only the first line, a comment, is text."""
+    c, meta = cfg.cluster, {"name": name, "namespace": check_namespace(cfg)}
     grace = c.save_seconds + MARGIN_SECONDS
     logs = log_dir(cfg, overrides)
     train_overrides = [*(o for o in overrides if not o.startswith("paths.log_dir=")), f"paths.log_dir={logs}"]
@@ -116,7 +149,7 @@ def manifest(cfg: DictConfig, topology: Topology, overrides: list[str], name: st
         f"--shutdown-timeout={c.save_seconds}",  # after SIGTERM, before torchrun kills its processes
         "-m",
         "mlproject.train",
-        *train_overrides,
+        *map(container_arg, train_overrides),
     ]
     env = [
         {"name": "MLPROJECT_RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_NAME}']"}}},
@@ -183,9 +216,11 @@ def manifest(cfg: DictConfig, topology: Topology, overrides: list[str], name: st
             },
         },
     }
+    for key, value in (("paths.log_dir", logs), ("task_name", cfg.task_name), ("run_id", given_run_id(cfg) or "")):
+        single_line(key, value, "the manifest's first line, a YAML comment")
     t = cfg.trainer
     head = (
         f"# trainer.num_nodes={t.num_nodes} trainer.devices={t.devices}: {topology.world_size} processes; "
-        f"run directory {logs}/{cfg.task_name}/runs/{name}\n"
+        f"run directory {run_dir(cfg, overrides, name)}\n"
     )
     return head + yaml.safe_dump_all([runtime, job], sort_keys=False, width=120)

@@ -9,6 +9,7 @@ import sys
 from omegaconf import DictConfig
 
 from mlproject.cluster import allocation
+from mlproject.cluster.names import sbatch_word
 from mlproject.core.errors import ConfigError
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
@@ -22,6 +23,8 @@ RENDEZVOUS = [
 ]
 
 
+# the key a refused #SBATCH value is named by, where it is not cluster.<option>
+SOURCES = {"job-name": "task_name", "chdir": "the current directory", "output": "paths.log_dir"}
 WHOLE = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 1, "signal_seconds": 1}
 
 
@@ -54,6 +57,8 @@ def sbatch_script(cfg: DictConfig, topology: Topology, overrides: list[str], wor
 
     The run directory is keyed on SLURM_JOB_ID (core/resolvers.run_id), so all tasks and all requeues share it,
     and `ckpt_path=auto` makes a requeued job resume there (unless the overrides set ckpt_path).
+    Each value is one argument where it goes: quoted for sbatch in the #SBATCH lines (a line break refused), for
+    bash in the srun line. cluster.setup is shell lines, the user's own, written as they are.
     """
     c = cfg.cluster
     options = {
@@ -74,10 +79,16 @@ def sbatch_script(cfg: DictConfig, topology: Topology, overrides: list[str], wor
         "chdir": workdir,
         "output": output,
     }
-    header = [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in options.items() if v is not None]
-    header += [f"#SBATCH {line}" for line in c.extra_sbatch]
+    header = [
+        f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={sbatch_word(SOURCES.get(k, f'cluster.{k}'), v)}"
+        for k, v in options.items()
+        if v is not None
+    ]
+    # each item one argument: a blank in it does not start another option
+    header += [f"#SBATCH {sbatch_word(f'cluster.extra_sbatch[{i}]', o)}" for i, o in enumerate(c.extra_sbatch)]
     if not any(o.startswith("ckpt_path=") for o in overrides):
         overrides = [*overrides, "ckpt_path=auto"]
+    srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}"]
     train = [c.python or sys.executable, "-m", "mlproject.train", *overrides]
     t = cfg.trainer
     return "\n".join(
@@ -88,7 +99,7 @@ def sbatch_script(cfg: DictConfig, topology: Topology, overrides: list[str], wor
             "set -eo pipefail",
             *([c.setup] if c.setup else []),
             *RENDEZVOUS,
-            f"srun --kill-on-bad-exit=1 --cpus-per-task={c.cpus_per_task} {shlex.join(train)}",
+            shlex.join([*srun, *train]),
             "",
         ]
     )

@@ -66,6 +66,33 @@ def check_launch(cfg: DictConfig, topology: Topology) -> None:
             "MASTER_ADDR/MASTER_PORT and know their place by NODE_RANK; set them on every node, or start "
             "with torchrun or SLURM (docs/strategies.md)"
         )
+    check_master_port(cfg, topology)
+
+
+def check_master_port(cfg: DictConfig, topology: Topology) -> None:
+    """A MASTER_PORT from the user's environment that this process will listen on (the first node's rank 0 hosts
+    the rendezvous store): taken, it would end in c10d's traceback after the other ranks have started. Schedulers
+    and external launchers choose their own port; a sweep's trials each take a free one (launch_local_ranks)."""
+    port = os.environ.get("MASTER_PORT")
+    if (
+        port is None
+        or topology.world_size < 2
+        or launched_externally()
+        or (cfg.get("cluster") or {}).get("scheduler")
+        or os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) != "0"
+        or _in_sweep()
+    ):
+        return
+    fix = "set MASTER_PORT to a free port, or unset it to have one picked"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"MASTER_PORT={port!r} is not a port number; {fix}")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a past run's TIME_WAIT is free
+        try:
+            s.bind(("", int(port)))  # all addresses, as the store listens
+        except OSError as exc:
+            reason = exc.strerror.lower()
+            raise ConfigError(f"MASTER_PORT={port} cannot be listened on here ({reason}); {fix}") from None
 
 
 def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
