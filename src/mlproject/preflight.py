@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mlproject.core.errors import ConfigError
+from mlproject.core.paths import refuse_url_paths
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
 
@@ -150,6 +151,8 @@ def preflight(cfg: DictConfig) -> Topology:
     from mlproject.cluster.slurm import check_in_job
     from mlproject.distributed.launch import CHECKED_BY_RANK_0, check_deepspeed, check_launch
     from mlproject.distributed.strategies import check_model_parallel
+
+    refuse_url_paths(cfg)  # also in Hydra's callback, before it makes the run directory; here for train(cfg) too
 
     # a local rank that rank 0 started after these checks skips the two that cost a compose or a planner estimate
     checked = os.environ.get(CHECKED_BY_RANK_0) == "1"

@@ -3,11 +3,14 @@ checkpoint this template writes under any strategy."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 from weakref import proxy
@@ -85,30 +88,76 @@ def remove_remote(url: str) -> None:
         fs.rm(url)
 
 
+def storage_error(exc: BaseException) -> BaseException | None:
+    """The storage's own error behind `exc`, if that is what it is: an OSError (a full or read-only disk; s3fs
+    reports a bucket's refusals as one) or botocore's (an unreachable endpoint, no credentials). DCP gathers every
+    rank's failure into one exception: its first is taken."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))[0]
+    botocore = sys.modules.get("botocore.exceptions")  # not imported: no botocore error can have been raised
+    return exc if isinstance(exc, (OSError, botocore.BotoCoreError) if botocore else OSError) else None
+
+
+def unusable(what: str, path: str, exc: BaseException) -> CheckpointError:
+    """The one line for a storage error on `path`: what failed, the storage's words for why, where to look."""
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+    look = (
+        "check the endpoint (AWS_ENDPOINT_URL), the credentials and the bucket"
+        if is_remote(path)
+        else "free space on its disk or make its folder writable"
+    )
+    return CheckpointError(f"{what}: {cause}; {look}, or set paths.ckpt_dir to another location")
+
+
+@contextlib.contextmanager
+def failing_save(tmp: str, path: str):
+    """A storage error while saving `path` through `tmp` ends in one line naming `path` and the cause, and removes
+    the part written to `tmp`; `path`, the previous checkpoint, is untouched until a save is complete."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if (cause := storage_error(exc)) is None:
+            raise
+        with contextlib.suppress(Exception):  # the storage that failed may refuse this too
+            if is_remote(tmp):
+                remove_remote(tmp)
+            elif os.path.isdir(tmp):
+                shutil.rmtree(tmp)
+            else:
+                os.remove(tmp)
+        raise unusable(f"could not save checkpoint {path} (the previous one is kept)", path, cause) from None
+
+
 def save_atomically(trainer, path: str | Path, weights_only: bool = False, background: bool = False) -> None:
     """`trainer.save_checkpoint` under `<path>.tmp`, renamed into place by rank 0 once every rank has written
     (its shard); the previous checkpoint at `path` stays loadable until then. Called on every rank.
 
     With an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) and `background`, this returns once
     the state is copied: the write and then the rename go on in a background thread. A save first waits for
-    the one in flight, so at most one is. Without `background` (a SIGTERM's save) it returns once written."""
+    the one in flight, so at most one is. Without `background` (a SIGTERM's save) it returns once written.
+
+    A storage error (a full or read-only disk, an unreachable endpoint) raises a CheckpointError naming `path` and
+    removes `<path>.tmp`: here, or for a background save at the next save's wait or the run's end."""
     io = trainer.strategy.checkpoint_io
     writer = io if isinstance(io, AsyncCheckpointIO) else None
     if writer:
         writer.wait()  # the previous save, write and rename, is complete on this rank
-    tmp = f"{path}.tmp"
-    trainer.strategy.remove_checkpoint(tmp)  # the leftover of a save that was killed
-    if writer:
-        writer.wait()  # removed before any rank writes into it
-    trainer.strategy.barrier("checkpoint_tmp_removed")
-    trainer.save_checkpoint(tmp, weights_only)  # every rank; ends with a barrier
-    if writer:
-        if trainer.is_global_zero:  # after the write, on the writer's thread; skipped if the write failed
-            writer.then(replace_checkpoint, tmp, path)
-        if not background:
-            writer.wait()
-    elif trainer.is_global_zero:
-        replace_checkpoint(tmp, path)
+    path, tmp = str(path), f"{path}.tmp"
+    with failing_save(tmp, path):
+        trainer.strategy.remove_checkpoint(tmp)  # the leftover of a save that was killed
+        if writer:
+            writer.wait()  # removed before any rank writes into it
+        trainer.strategy.barrier("checkpoint_tmp_removed")
+        trainer.save_checkpoint(tmp, weights_only)  # every rank; ends with a barrier
+        if writer:
+            # after the write, on the writer's thread, unless the write failed: rank 0 renames; every rank's job
+            # turns its own write's storage error into this save's one line
+            writer.then(replace_checkpoint if trainer.is_global_zero else None, tmp, path, saving=(tmp, path))
+            if not background:
+                writer.wait()
+        elif trainer.is_global_zero:
+            replace_checkpoint(tmp, path)
     trainer.strategy.barrier("checkpoint_renamed")
 
 
@@ -143,7 +192,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self.blocked_s: list[float] = []  # seconds each save of this stage held the training loop (logged at its end)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        try:  # Lightning lists the folder: the first touch of the storage, before any step
+            super().setup(trainer, pl_module, stage)
+        except Exception as exc:
+            if self.dirpath is None or (cause := storage_error(exc)) is None:
+                raise
+            raise unusable(f"cannot use paths.ckpt_dir={self.dirpath}", self.dirpath, cause) from None
         known = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)  # DeepSpeed's is a DDPStrategy
         if self.dirpath and is_remote(self.dirpath) and not isinstance(trainer.strategy, known):
             raise CheckpointError(
@@ -224,14 +278,17 @@ class AsyncCheckpointIO(CheckpointIO):
         self._last: Future | None = None
         self._group = None  # a gloo group of its own for DCP's collectives on the writer thread
 
-    def then(self, fn, *args) -> None:
-        """Run `fn(*args)` on the writer thread after what is queued, unless that failed."""
+    def then(self, fn, *args, saving: tuple[str, str] | None = None) -> None:
+        """Run `fn(*args)` (None: nothing) on the writer thread after what is queued, unless that failed; with
+        `saving` (the `tmp` and `path` of a save), a storage error of either ends as that save's (failing_save)."""
         before = self._last
 
         def job():
-            if before is not None:
-                before.result()
-            fn(*args)
+            with failing_save(*saving) if saving else contextlib.nullcontext():
+                if before is not None:
+                    before.result()
+                if fn is not None:
+                    fn(*args)
 
         self._last = self._pool.submit(job)
 
@@ -274,6 +331,21 @@ class PortableCheckpointIO(TorchCheckpointIO):
     """Loads sharded (fsdp, tp) and DeepSpeed checkpoint directories as well as single files, so a
     single-process or ddp run resumes from a checkpoint of any strategy and world size. It reads the
     checkpoint in full (convert.load_full): a rank of single or ddp holds the whole state anyway."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        """Lightning's write (a folder's file through a temporary file moved into place, an object in one put)
+        without its `except PermissionError`, which takes a refused write (a read-only folder, a bucket that
+        denies it) for a saved checkpoint; save_atomically then fails on a `.tmp` that does not exist."""
+        if storage_options is not None:  # Lightning's refusal of them
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        from fsspec.core import url_to_fs
+
+        buffer = BytesIO()
+        torch.save(checkpoint, buffer)
+        fs, url = url_to_fs(str(path))
+        fs.makedirs(os.path.dirname(url), exist_ok=True)
+        with fs.transaction:
+            fs.pipe(url, buffer.getvalue())
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         from mlproject.checkpoint.convert import load_full
