@@ -218,7 +218,9 @@ def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
 def first_batch_fits(cfg: DictConfig, trainer):
     """Around fit/test: a shape error before the first optimizer step names the layer that raised it, the shapes
     it met and the line of the model that called it (the data and the model may not be a pair, or the model has
-    a bug: both read the same)."""
+    a bug: both read the same). A run that has taken a step keeps its directory, whatever ends it."""
+    from mlproject.core.rundir import trained
+
     try:
         yield
     except RuntimeError as exc:
@@ -233,6 +235,9 @@ def first_batch_fits(cfg: DictConfig, trainer):
             f"{chosen(cfg, 'data')} and {chosen(cfg, 'model')}: if they are not a pair, pick matching data= and "
             "model= (or an experiment=), or make the model's input size the data's"
         ) from exc
+    finally:
+        if trainer.global_step:
+            trained()
 
 
 def layer_and_shapes(exc: BaseException, model) -> str:

@@ -91,25 +91,31 @@ def exit_with(exc: BaseException) -> None:
     sys.exit(2)
 
 
+def to_log_file(message: str, exc: BaseException | None = None) -> str | None:
+    """Write `message` (and `exc`'s traceback) into the run's log file only, not the console; returns its path."""
+    import logging
+
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    info = (type(exc), exc, exc.__traceback__) if exc else None
+    record = logging.getLogger(__name__).makeRecord(__name__, logging.ERROR, __file__, 0, message, None, info)
+    for handler in files:
+        handler.handle(record)
+    return files[0].baseFilename if files else None
+
+
 def report_bug(exc: BaseException) -> None:
     """An exception raised in code: the full traceback into the run's log file, and a few lines here, the error
     and the innermost frame outside installed libraries (where the user's code raised it or called into one)."""
-    import logging
     import traceback
 
     from mlproject.core.errors import root_cause, user_frame
 
     root = root_cause(exc)
-    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-    record = logging.getLogger(__name__).makeRecord(
-        __name__, logging.ERROR, __file__, 0, "the run failed:", None, (type(exc), exc, exc.__traceback__)
-    )
-    for handler in files:
-        handler.handle(record)
+    log_file = to_log_file("the run failed:", exc)
     lines = [f"error: {type(root).__name__}: {root}".rstrip()]
     if frame := user_frame(exc):
         lines += traceback.format_list([frame])[0].rstrip().splitlines()
-    where = f"the full traceback is in {files[0].baseFilename}, or " if files else "the full traceback: "
+    where = f"the full traceback is in {log_file}, or " if log_file else "the full traceback: "
     lines.append(f"({where}run again with HYDRA_FULL_ERROR=1)")
     print("\n".join(lines), file=sys.stderr)
 
@@ -149,6 +155,7 @@ def hydra_entry(config_name: str):
             except ERRORS as exc:
                 from hydra.core.hydra_config import HydraConfig
 
+                to_log_file(f"error: {one_line(exc)}")  # for a run directory that is kept
                 discard_run_dir(cfg)
                 if HydraConfig.get().mode.name == "MULTIRUN":  # one trial fails: Hydra records it, the sweep goes on
                     print(f"error: trial {HydraConfig.get().job.num}: {one_line(exc)}", file=sys.stderr)

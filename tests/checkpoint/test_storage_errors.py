@@ -156,6 +156,9 @@ def test_an_unreachable_endpoint_ends_in_one_line_and_keeps_the_previous_checkpo
     )
     assert not s3.exists(f"{BUCKET}/run/last.ckpt.tmp")
     assert load_full(f"s3://{BUCKET}/run/last.ckpt")["global_step"] == 2
+    assert (
+        "could not save checkpoint" in (tmp_path / "train/runs/s3/train.log").read_text()
+    )  # a run that trained keeps its logs
 
 
 @pytest.mark.parametrize("key", ["paths.log_dir", "paths.output_dir", "paths.data_dir"])

@@ -22,12 +22,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mlproject.core.errors import ConfigError
+from mlproject.core.paths import refuse_url_paths
 
 LOCK = "run.lock"
 # A name is one path component, safe in a path, a shell line and a job name: no separator, no `..`, no newline.
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=,@-]*")
 _created: set[str] = set()  # run directories this process made (absolute paths)
 _locked: set[str] = set()  # run directories whose lock this process holds
+_trained = [False]  # this process has taken an optimizer step: its run directory holds a run's logs
 
 
 def check_names(cfg: DictConfig) -> None:
@@ -138,9 +140,15 @@ def claim(run_dir: str | Path) -> None:
         lock(run_dir)
 
 
+def trained() -> None:
+    """Note that this run has trained: whatever ends it now, its directory (logs, train.log) is kept."""
+    _trained[0] = True
+
+
 def discard(run_dir: str | Path, log_dir: str | Path) -> str | None:
-    """Remove a refused run's directory: only if this process created it, it lies inside `log_dir` and holds no
-    checkpoint or metrics. Returns why it was kept, if it was (None: removed, or nothing to say)."""
+    """Remove a refused run's directory: only if this process created it, it lies inside `log_dir`, the run has not
+    trained and the directory holds no checkpoint or metrics. Returns why it was kept, if it was (None: removed, or
+    nothing to say)."""
     run_dir = Path(os.path.abspath(run_dir))
     log_dir = Path(os.path.abspath(log_dir))
     if not run_dir.is_dir():
@@ -149,7 +157,7 @@ def discard(run_dir: str | Path, log_dir: str | Path) -> str | None:
         return f"kept {run_dir}: it existed before this command"
     if not run_dir.is_relative_to(log_dir) or run_dir == log_dir or Path.cwd().is_relative_to(run_dir):
         return f"kept {run_dir}: it is not a run directory under paths.log_dir"
-    if any((run_dir / kept).exists() for kept in ("checkpoints", "metrics.json")):
+    if _trained[0] or any((run_dir / kept).exists() for kept in ("checkpoints", "metrics.json")):
         return None
     unlock(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)  # ranks of other nodes may race for it
@@ -169,6 +177,7 @@ class RunDirectory(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         try:
+            refuse_url_paths(config)
             check_names(config)
             claim(config.hydra.run.dir)
         except ConfigError as exc:
@@ -176,6 +185,7 @@ class RunDirectory(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         try:
+            refuse_url_paths(config)
             check_names(config)
             claim(config.hydra.sweep.dir)
         except ConfigError as exc:
