@@ -43,6 +43,8 @@ test_size: 40         # samples held out for test
 """
 MODEL_YAML = """# An MLP classifier for the wine data.
 _target_: mlproject.models.classifier.Classifier
+_recursive_: false           # as configs/model/digits.yaml: the Classifier builds net from its config
+_convert_: all               # plain dicts, not OmegaConf containers
 num_classes: 3               # cultivars
 net:
   _target_: mlproject.models.components.mlp.MLP

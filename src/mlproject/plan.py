@@ -70,7 +70,7 @@ def meta_model(cfg: DictConfig):
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
-        model = instantiate_at(cfg, "model", _convert_="all", _recursive_=False)  # a bad key: one line naming it
+        model = instantiate_at(cfg, "model")  # as train builds it; a bad key: one line naming it
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(cfg.trainer.precision))
     return model.to(dtype) if dtype else model
 

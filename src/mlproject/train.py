@@ -37,7 +37,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     # 2. build: data, model, callbacks, loggers, trainer
     datamodule = with_template_samplers(instantiate_at(cfg, "data"))  # exact batches on any world size
-    model = instantiate_at(cfg, "model", _convert_="all", _recursive_=False)
+    model = instantiate_at(cfg, "model")  # as Hydra builds it: nested _target_s too, unless the yaml says otherwise
     callbacks = instantiate_all(cfg, "callbacks")
     # + a check that monitors agree across ranks, RNG states and config in checkpoints; checkpoints of any
     # strategy and world size load
