@@ -42,7 +42,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # + a check that monitors agree across ranks, RNG states and config in checkpoints; checkpoints of any
     # strategy and world size load
     callbacks = [*callbacks, MonitorsAgree(callbacks), RunState(cfg)]
-    trainer = build_trainer(cfg, callbacks, plugins=(PortableCheckpointIO(),))
+    trainer = build_trainer(cfg, callbacks, plugins=(PortableCheckpointIO(model),))
     # a tensor-parallel group reads one batch together: the batch divides over data-parallel ranks only (a plain
     # LightningDataModule's batch_size is per device: configure_optimizers of the examples logs the effective one)
     if topology.global_batch_size is not None:

@@ -2,10 +2,20 @@
 
 Formats: a single file (single, ddp; `torch.save` zip), a sharded directory (fsdp, tp: torch.distributed
 .checkpoint shards + Lightning's meta.pt), a DeepSpeed directory (`latest` + ZeRO shards).
+
+Every pickle of a checkpoint is read with `weights_only=True` (tensors, plain containers and a few allowlisted
+types): unpickling anything else can run code, and checkpoints are shared, downloaded and read from buckets.
+`MLPROJECT_TRUST_CHECKPOINT=1` reads them in full, for a file one trusts (docs/checkpoints.md, "What a
+checkpoint may hold").
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +23,110 @@ from typing import Any
 import torch
 
 from mlproject.core.errors import CheckpointError
+
+TRUST = "MLPROJECT_TRUST_CHECKPOINT"
+
+# What DCP's .metadata pickles (torch 2.13): its dataclasses, sizes, layouts, the path it was saved to; dtypes too
+DCP_METADATA = {
+    *(
+        f"torch.distributed.checkpoint.metadata.{name}"
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.Size",
+    "torch.serialization._get_layout",
+    "pathlib.PosixPath",
+    "pathlib._local.PosixPath",  # Python 3.13's name for it
+}
+
+
+def trusted() -> bool:
+    """Whether the user opted in to loading checkpoints in full (MLPROJECT_TRUST_CHECKPOINT=1)."""
+    return os.environ.get(TRUST) == "1"
+
+
+@contextlib.contextmanager
+def refusing(name: str | Path):
+    """A pickle that a weights-only load refuses ends in one line naming `name` and the type it holds."""
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).rpartition("WeightsUnpickler error: ")[2].split(". ")[0]  # torch's own words, first
+        found = re.search(r"GLOBAL ([\w.]+)", reason)
+        what = found.group(1) if found else f"an object torch's weights-only unpickler refuses ({reason})"
+        raise CheckpointError(
+            f"{name} holds {what}: checkpoints load with weights_only=True, as unpickling anything else can run "
+            f"code; if you trust this file, run again with {TRUST}=1"
+        ) from None
+
+
+def load_file(source, name: str | Path | None = None, **kwargs) -> Any:
+    """`torch.load(source, **kwargs)` with weights_only=True unless trusted(): the one way this template reads a
+    torch.save file. A refused pickle is one CheckpointError naming `name` (default: `source`)."""
+    with refusing(name or source):
+        return torch.load(source, weights_only=not trusted(), **kwargs)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP unpickles its .metadata with plain pickle: this one finds DCP's own types and dtypes only (the
+    restriction Python's pickle documentation gives), and refuses any other global before importing it."""
+
+    def find_class(self, module: str, name: str):
+        if f"{module}.{name}" in DCP_METADATA or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def read_metadata(path: str | Path):
+    """The DCP Metadata of the sharded checkpoint at `path` (a folder or an fsspec URL)."""
+    from fsspec.core import url_to_fs
+
+    name = f"{str(path).rstrip('/')}/.metadata"
+    fs, url = url_to_fs(name)
+    with fs.open(url, "rb") as f, refusing(name):
+        return (pickle.Unpickler if trusted() else _MetadataUnpickler)(f).load()
+
+
+def check_unpickles(path: str | Path) -> None:
+    """Refuse the checkpoint at `path` (local, or sharded in object storage) if a pickle that a library reads in
+    full holds more than a weights-only load allows: DCP's .metadata and non-tensor items (torch.load with
+    weights_only=False inside DCP), Lightning's meta.pt, the files DeepSpeed's engine loads itself. Tensor data
+    is not read. Nothing to check when trusted(), or for a file (this template and Lightning load it safely)."""
+    if trusted() or Path(path).is_file():
+        return
+    if checkpoint_format(path) == "deepspeed":
+        from mlproject.checkpoint.zero_shards import allow_deepspeed_types
+
+        allow_deepspeed_types()
+        tag = Path(path) / (Path(path) / "latest").read_text().strip()
+        for file in sorted(tag.glob("*.pt")):
+            load_file(file, map_location="meta")
+        return
+    from fsspec.core import url_to_fs
+
+    metadata = read_metadata(path)
+    root = str(path).rstrip("/")
+    fs, _ = url_to_fs(root)
+    load_file(io.BytesIO(fs.cat_file(f"{root}/meta.pt")), f"{root}/meta.pt", map_location="meta")
+    items = {fqn for fqn, entry in metadata.state_dict_metadata.items() if not hasattr(entry, "size")}
+    for index, stored in metadata.storage_data.items():
+        if index.fqn in items:
+            name = f"{root}/{stored.relative_path}"
+            if stored.transform_descriptors:  # DCP would decode (e.g. decompress) it first; this template never does
+                raise CheckpointError(f"{name}: {index.fqn} is stored with transforms this template does not read")
+            data = fs.cat_file(name, start=stored.offset, end=stored.offset + stored.length)
+            load_file(io.BytesIO(data), f"{name} ({index.fqn})")
 
 
 def is_remote(path: str | Path) -> bool:
@@ -87,11 +201,17 @@ def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _from_sharded(path: Path) -> dict[str, Any]:
-    # Lightning's consolidate_checkpoint expects Fabric's "model" key; ModelParallelStrategy (pytorch) saves
-    # "state_dict" and "optimizer_<i>" shards plus the rest in meta.pt, which this helper merges in.
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    # ModelParallelStrategy saves "state_dict" and "optimizer_<i>" shards plus the rest in meta.pt. DCP reads the
+    # shards in full into an empty state dict (as Lightning's _load_distributed_checkpoint, which would read meta.pt
+    # with torch's default weights_only, blind to MLPROJECT_TRUST_CHECKPOINT).
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    checkpoint = _load_distributed_checkpoint(path)
+    check_unpickles(path)
+    checkpoint: dict[str, Any] = {}
+    _load_state_dict(checkpoint, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    checkpoint.update(load_file(path / "meta.pt", map_location="cpu"))
     optimizers = sorted(k for k in checkpoint if k.startswith("optimizer_") and k[len("optimizer_") :].isdigit())
     checkpoint["optimizer_states"] = [_rekey_optimizer(checkpoint.pop(k)) for k in optimizers]
     return checkpoint
@@ -140,14 +260,14 @@ def load_full(path: str | Path) -> dict[str, Any]:
 
         if checkpoint_format(path) == "file":
             with fsspec.open(str(path), "rb") as f:
-                return torch.load(f, map_location="cpu", weights_only=False)
+                return load_file(f, path, map_location="cpu")
         with tempfile.TemporaryDirectory() as tmp:  # a sharded or DeepSpeed directory: read in full here anyway
             download(str(path), Path(tmp))
             return load_full(tmp)
     path = Path(path)
     fmt = checkpoint_format(path)
     if fmt == "file":
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_file(path, map_location="cpu")
     if fmt == "sharded":
         return _from_sharded(path)
     from mlproject.checkpoint.zero_shards import ZeroShards
@@ -170,6 +290,58 @@ def load_module(cls, path: str | Path):
     module = cls(**checkpoint["hyper_parameters"])
     module.load_state_dict(averaged(checkpoint["state_dict"]))
     return module
+
+
+def saved_shapes(path: str | Path) -> dict[str, Any]:
+    """The model state's tensor names and shapes (torch.Size) in the checkpoint at `path`, any format, local or
+    (sharded) in object storage, read without the tensor data."""
+    if Path(path).is_file():
+        return {k: v.shape for k, v in load_file(path, map_location="meta")["state_dict"].items()}
+    if checkpoint_format(path) == "sharded":
+        entries = read_metadata(path).state_dict_metadata.items()
+        return {
+            k.removeprefix("state_dict."): e.size
+            for k, e in entries
+            if k.startswith("state_dict.") and hasattr(e, "size")
+        }
+    from mlproject.checkpoint.zero_shards import ZeroShards
+
+    return {k: v.shape for k, v in deepspeed_checkpoint(ZeroShards(path), full=False)["state_dict"].items()}
+
+
+def check_fits(saved: dict[str, Any], module: torch.nn.Module, name: str | Path, stage: bool = False) -> None:
+    """Refuse in one line a checkpoint whose model state (`saved`: name -> tensor or shape) does not fit the
+    LightningModule `module`, as one of another model or size does: the first tensor whose shape differs, else the
+    first missing and unexpected names (unless the module loads non-strictly; a pipeline `stage` holds only some of
+    the checkpoint's tensors). Shapes are full ones: a DTensor's global shape, a ZeRO-3 parameter's ds_shape."""
+
+    def shape(value) -> str:
+        if isinstance(value, torch.Tensor):
+            value = getattr(value, "ds_shape", None) or value.shape
+        return "x".join(map(str, value)) or "scalar"
+
+    have = {k: shape(v) for k, v in saved.items()}
+    want = {k: shape(v) for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    why = "a checkpoint of another model or size: use the model config it was trained with"
+    for key, size in want.items():
+        if key in have and have[key] != size:
+            raise CheckpointError(
+                f"{name} does not fit the model: {key} is {have[key]} in the checkpoint, {size} in the model ({why})"
+            )
+    if not getattr(module, "strict_loading", True):
+        return
+    missing = [k for k in want if k not in have]
+    unexpected = [] if stage else [k for k in have if k not in want]
+    found = [
+        f"{whose} {keys[0]}{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''} is {where}"
+        for whose, keys, where in (
+            ("the model's", missing, "missing from the checkpoint"),
+            ("the checkpoint's", unexpected, "not in the model"),
+        )
+        if keys
+    ]
+    if found:
+        raise CheckpointError(f"{name} does not fit the model: {', and '.join(found)} ({why})")
 
 
 def run_config(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -244,7 +416,7 @@ def sliced_file(path: str | Path, orders: list[list[list[str]]]) -> tuple[dict[s
     memory once touched)."""
     from mlproject.checkpoint.zero_shards import load_meta, read_into
 
-    checkpoint = name_optimizer_states(torch.load(path, mmap=True, map_location="cpu", weights_only=False), orders)
+    checkpoint = name_optimizer_states(load_file(path, mmap=True, map_location="cpu"), orders)
     meta = name_optimizer_states(load_meta(path), orders)  # where each tensor lies in the file
     states = {name: entry for saved in meta["optimizer_states"] for name, entry in saved["state"].items()}
 

@@ -48,6 +48,9 @@ class DcpShards:
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+        from mlproject.checkpoint.convert import check_unpickles, load_file
+
+        check_unpickles(path)  # DCP unpickles .metadata and the small items below in full
         self.path = Path(path)
         self.reader = _Reader(self.path)
         self.metadata = self.reader.read_metadata()
@@ -68,7 +71,7 @@ class DcpShards:
             "state": {name: {**entry, **meta[name]} for name, entry in saved.get("state", {}).items()},
             "param_groups": saved["param_groups"],
         }
-        self.client = torch.load(self.path / "meta.pt", weights_only=False)  # loops, callbacks, schedulers...
+        self.client = load_file(self.path / "meta.pt")  # loops, callbacks, schedulers...
 
     def _sliced(self, keys: tuple) -> bool:
         if keys[0] == "state_dict":

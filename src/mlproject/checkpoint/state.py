@@ -16,12 +16,14 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import Container, DictConfig, OmegaConf
 from torchmetrics import Metric
 
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
+
+PLAIN = (torch.Tensor, torch.Size, torch.dtype, torch.device)  # besides numbers, strings, bytes and None
 
 
 def rng_state() -> dict[str, Any]:
@@ -73,6 +75,42 @@ def set_metric_states(module: torch.nn.Module, states: dict[str, dict[str, Any]]
         metric._update_count, metric._computed = saved["updates"], None
 
 
+def plain(value: Any) -> Any:
+    """`value` as data a weights-only load reads: OmegaConf containers and dict subclasses as dicts and lists.
+    Anything else that is not a tensor, a number, a string, bytes, None, a dtype or a device raises TypeError:
+    an object, such as a module or a partial that Hydra built from the config."""
+    if isinstance(value, Container):
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(plain(v) for v in value)
+    if type(value) in (str, int, float, bool, bytes, type(None)) or isinstance(value, PLAIN):
+        return value
+    raise TypeError(type(value).__qualname__)
+
+
+def plain_hyperparameters(checkpoint: dict[str, Any]) -> list[str]:
+    """Lightning saves a module's and a datamodule's hyperparameters as they are, which a weights-only load
+    refuses unless they are plain data: OmegaConf containers become plain dicts and lists, without the class
+    Lightning records for them (load_from_checkpoint then passes the plain dicts a run passes too, _convert_: all);
+    objects (a module, an optimizer's partial, as a lightning-hydra-template module is given them) are left out,
+    and their names returned. The run's config, saved with them, says how they were built."""
+    dropped = []
+    for owner in (L.LightningModule, L.LightningDataModule):
+        key, kind = owner.CHECKPOINT_HYPER_PARAMS_KEY, owner.CHECKPOINT_HYPER_PARAMS_TYPE
+        if key in checkpoint:
+            kept = {}
+            for name, value in checkpoint[key].items():
+                try:
+                    kept[name] = plain(value)
+                except TypeError:
+                    dropped.append(name)
+            checkpoint[key] = kept
+        checkpoint.pop(kind, None)
+    return dropped
+
+
 class RunState(L.Callback):
     """Adds each rank's RNG and metric states and the resolved config to every checkpoint; restores the RNG,
     and the metric states when resuming mid-epoch.
@@ -86,6 +124,7 @@ class RunState(L.Callback):
         self.config = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
         self.module: torch.nn.Module | None = None
         self.loaded_metrics: dict[str, dict[str, Any]] | None = None
+        self.dropped: list[str] = []  # hyperparameters left out of the last checkpoint (said once)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.module = pl_module
@@ -101,6 +140,13 @@ class RunState(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for logger in trainer.loggers:
             logger.save()
+        dropped = plain_hyperparameters(checkpoint)
+        if dropped and not self.dropped:
+            log.info(
+                f"hyperparameters {', '.join(dropped)} are objects, left out of the checkpoints (which load with "
+                "weights_only=True); the run's config in them says how they were built"
+            )
+        self.dropped = dropped
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning bug #20550: when configure_optimizers reads trainer.estimated_stepping_batches (ours do, for

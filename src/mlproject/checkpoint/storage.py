@@ -330,7 +330,12 @@ class AsyncCheckpointIO(CheckpointIO):
 class PortableCheckpointIO(TorchCheckpointIO):
     """Loads sharded (fsdp, tp) and DeepSpeed checkpoint directories as well as single files, so a
     single-process or ddp run resumes from a checkpoint of any strategy and world size. It reads the
-    checkpoint in full (convert.load_full): a rank of single or ddp holds the whole state anyway."""
+    checkpoint in full (convert.load_full): a rank of single or ddp holds the whole state anyway. A checkpoint
+    that does not fit the LightningModule `module` is refused in one line (convert.check_fits)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         """Lightning's write (a folder's file through a temporary file moved into place, an object in one put)
@@ -348,6 +353,8 @@ class PortableCheckpointIO(TorchCheckpointIO):
             fs.pipe(url, buffer.getvalue())
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
-        from mlproject.checkpoint.convert import load_full
+        from mlproject.checkpoint.convert import check_fits, load_full
 
-        return load_full(path)
+        checkpoint = load_full(path)  # weights-only unless MLPROJECT_TRUST_CHECKPOINT=1, whatever Lightning passes
+        check_fits(checkpoint["state_dict"], self.module, path)
+        return checkpoint

@@ -34,9 +34,21 @@ class Piece(NamedTuple):
     numel: int
 
 
+def allow_deepspeed_types() -> None:
+    """DeepSpeed's optimizer-state files pickle four of its own types (ZeRO 1-3; DynamicLossScaler under fp16):
+    plain records of numbers, allowed in weights-only loads (convert.load_file)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
+
+
 def load_meta(file: str | Path) -> dict:
     """A torch.save file with its tensors on the meta device, each knowing its offset in the file."""
-    return torch.load(file, map_location="meta", weights_only=False)
+    from mlproject.checkpoint.convert import load_file
+
+    return load_file(file, map_location="meta")
 
 
 def read_into(out: torch.Tensor, file: str | Path, saved: torch.Tensor, start: int) -> None:
@@ -55,12 +67,15 @@ class ZeroShards:
     def __init__(self, path: str | Path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files, get_optim_files
 
+        from mlproject.checkpoint.convert import load_file
+
+        allow_deepspeed_types()
         ds_dir = Path(path) / (Path(path) / "latest").read_text().strip()
         self.files = get_optim_files(ds_dir)  # one per rank, in rank order
         self.ranks = [load_meta(file)["optimizer_state_dict"] for file in self.files]
         # Lightning keeps the client state (loops, callbacks, hyperparameters) in the first model-states file;
         # stage 1/2 also keep the full weights there, of which only the buffers are read (memory-mapped)
-        self.client = torch.load(get_model_state_files(ds_dir)[0], map_location="cpu", mmap=True, weights_only=False)
+        self.client = load_file(get_model_state_files(ds_dir)[0], map_location="cpu", mmap=True)
         self.zero3 = self.ranks[0]["zero_stage"] == 3
         self.fp32_key, self.optim_key = (
             ("fp32_flat_groups", "optimizer_state_dict")

@@ -142,29 +142,42 @@ class ModelParallel(ModelParallelStrategy):
         would count as the rank's memory, nor gathered on rank 0 as torch's full-state-dict loader does). Their
         optimizer state is keyed by position, which Lightning maps to parameters in module order: it is
         re-keyed by name in the single process's order of the optimizers' groups first (param_names,
-        checkpoint/convert.py)."""
+        checkpoint/convert.py).
+
+        Every pickle is read with weights_only=True (unless MLPROJECT_TRUST_CHECKPOINT=1; Lightning passes no
+        `weights_only` to a strategy that restores after setup), and a checkpoint of another model or size is refused
+        in one line first."""
         from mlproject.checkpoint.convert import (
+            check_fits,
+            check_unpickles,
             checkpoint_format,
             deepspeed_checkpoint,
             is_remote,
             name_optimizer_states,
+            refusing,
+            saved_shapes,
             sliced_file,
+            trusted,
         )
         from mlproject.checkpoint.zero_shards import ZeroShards
         from mlproject.core.errors import CheckpointError
 
         path = self.broadcast(str(checkpoint_path))
+        if is_remote(path) and checkpoint_format(path) != "sharded":
+            raise CheckpointError(
+                f"{path}: a single-file checkpoint in object storage resumes under strategy=single or ddp; "
+                "copy it to a local path for a sharded strategy"
+            )
+        check_unpickles(path)
+        stage = getattr(self.lightning_module, "pipeline", None) is not None
+        check_fits(saved_shapes(path), self.lightning_module, path, stage)
         if is_remote(path):
-            if checkpoint_format(path) != "sharded":
-                raise CheckpointError(
-                    f"{path}: a single-file checkpoint in object storage resumes under strategy=single or ddp; "
-                    "copy it to a local path for a sharded strategy"
-                )
-            return self._load_sharded_url(path, weights_only)
+            return self._load_sharded_url(path)
         path = Path(path)
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
-            return super().load_checkpoint(path, weights_only)
+            with refusing(path):  # a file: Lightning's torch.load, weights-only unless trusted
+                return super().load_checkpoint(path, weights_only=not trusted())
         # Positions count every parameter of the writer, so under a pipeline every stage's names are needed
         # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
         orders = [self.param_names(optimizer) for optimizer in self.optimizers]
@@ -176,7 +189,7 @@ class ModelParallel(ModelParallelStrategy):
         self._load_shards(read, checkpoint)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
-    def _load_sharded_url(self, url: str, weights_only=None) -> dict:
+    def _load_sharded_url(self, url: str) -> dict:
         """Lightning's load of a sharded folder (its _load_checkpoint) from an fsspec URL: DCP reads through its
         fsspec reader, chosen by a URL checkpoint_id, and reshards as it does from a local folder."""
         import fsspec
@@ -188,6 +201,8 @@ class ModelParallel(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
+        from mlproject.checkpoint.convert import load_file
+
         state = {"state_dict": get_model_state_dict(self.model)}
         dcp.load(state, checkpoint_id=url)
         self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
@@ -197,7 +212,7 @@ class ModelParallel(ModelParallelStrategy):
             options = StateDictOptions(cpu_offload=True)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
         with fsspec.open(f"{url}/meta.pt", "rb") as f:
-            return torch.load(f, weights_only=weights_only)  # the rest (loops, callbacks, schedulers)
+            return load_file(f, f"{url}/meta.pt")  # the rest (loops, callbacks, schedulers)
 
     @torch.no_grad()
     def _load_shards(self, read, checkpoint: dict) -> None:

@@ -138,10 +138,20 @@ class ZeroStrategy(DeepSpeedStrategy):
         # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout. Any other is
         # scattered into this rank's partitions, reading only the slices it will hold: from another DeepSpeed
         # layout, from fsdp/hsdp/tp shards (the stored chunks that overlap them) or from a file (convert.sliced_file).
-        from mlproject.checkpoint.convert import checkpoint_format, sliced_file
+        # Every pickle is read weights-only (DeepSpeed's engine unpickles in full: checked first), and a checkpoint
+        # of another model or size is refused in one line, as in ModelParallel.load_checkpoint.
+        from mlproject.checkpoint.convert import (
+            check_fits,
+            check_unpickles,
+            checkpoint_format,
+            saved_shapes,
+            sliced_file,
+        )
         from mlproject.checkpoint.dcp_shards import DcpShards
         from mlproject.checkpoint.zero_shards import ZeroShards
 
+        check_unpickles(path)
+        check_fits(saved_shapes(path), self.lightning_module, path)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # else the engine has no optimizer
         if not fitting or loads_natively(path, self.world_size, self.zero_stage_3):
             return super().load_checkpoint(path, weights_only)
