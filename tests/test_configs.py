@@ -6,9 +6,10 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from mlproject.build import instantiate_all
-from mlproject.core.constants import CONFIG_DIR
+from mlproject.build import instantiate_all, instantiate_at
+from mlproject.core.constants import CONFIG_DIR, PROJECT_ROOT
 from mlproject.core.ranges import check_ranges
+from mlproject.core.topology import global_batch
 
 
 def options(group: str) -> list[str]:
@@ -40,7 +41,7 @@ def test_option_composes_and_instantiates(compose_cfg, group, option, monkeypatc
     OmegaConf.resolve(cfg)  # every interpolation resolves
     check_ranges(cfg)  # every default is within its declared range
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    model = instantiate_at(cfg, "model")  # as train builds it: Hydra's semantics, `_recursive_` of the yaml
     assert sum(p.numel() for p in model.parameters()) > 0
     callbacks = instantiate_all(cfg, "callbacks")
     loggers = instantiate_all(cfg, "logger")
@@ -55,7 +56,8 @@ def test_option_composes_and_instantiates(compose_cfg, group, option, monkeypatc
         devices=1,
     )
     assert trainer.max_epochs == cfg.trainer.max_epochs
-    assert datamodule.batch_size == cfg.data.batch_size
+    if global_batch(cfg.data):  # the template's DataModule; a plain one keeps its batch size where it likes
+        assert datamodule.batch_size == cfg.data.batch_size
 
 
 def test_eval_config_composes(compose_cfg):
@@ -65,7 +67,11 @@ def test_eval_config_composes(compose_cfg):
 
 
 def test_every_config_key_has_a_comment():
-    """A user may change any key: each one says what it does, on its own line or the line above."""
+    """A user may change any key of the template's configs: each one says what it does, on its own line or the
+    line above. The template's house style, checked where it is developed (copier.yml, which a project made from
+    it does not have): a project's configs, the user's own among them, are as its author writes them."""
+    if not (PROJECT_ROOT / "copier.yml").exists():
+        pytest.skip("the comment rule is the template's house style, checked in the template's repository")
     missing = []
     for path in sorted(CONFIG_DIR.rglob("*.yaml")):
         lines = path.read_text().splitlines()

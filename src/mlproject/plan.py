@@ -37,7 +37,7 @@ class Row:
 
     layout: str  # the strategy overrides, e.g. "strategy=fsdp"
     states: int  # parameters + gradients + optimizer state + EMA weights
-    activations: int
+    activations: int | None  # None: the batch size is unknown (a datamodule's own loaders set it); not counted
     params: int | None = None
     grads: int | None = None
     optimizer: int | None = None
@@ -46,7 +46,7 @@ class Row:
 
     @property
     def total(self) -> int:
-        return self.states + self.gathered + self.activations
+        return self.states + self.gathered + (self.activations or 0)
 
 
 @contextmanager
@@ -155,7 +155,7 @@ def stage_modules(net, pipeline: dict, rank: int, size: int, schedule: str) -> l
     return [m for m in modules if m is not None]
 
 
-def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
+def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     """Bytes autograd saves for backward in one training step of one per-device micro-batch: the model's own
     training_step runs on the meta device with TP and activation checkpointing applied as configured (FSDP
     does not change them), under a hook that sums every tensor saved for backward.
@@ -165,7 +165,9 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
     saved while this rank's stage modules run (and the loss, outside the network, on the last stage), and that
     is multiplied by the stage forwards the schedule keeps in flight at its peak (pipeline.in_flight: GPipe M,
     1F1B P - rank), divided by the stages per rank (interleaved: a forward runs one of its two stages, taken
-    as half of both)."""
+    as half of both).
+
+    None where the batch size is unknown: the datamodule is not the template's, and its own loaders set it."""
     import collections
 
     import torch
@@ -175,6 +177,8 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int:
     from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
     from mlproject.distributed.pipeline import in_flight, stages_per_rank
 
+    if topology.per_device_batch_size is None:
+        return None
     model = meta_model(cfg)
     plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
     tp, pp = topology.tensor_parallel_size, topology.pipeline_parallel_size
@@ -363,7 +367,7 @@ def plan(overrides: list[str]) -> Plan:
 
 
 def size(n: int | None) -> str:
-    return "" if n is None else f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
+    return "?" if n is None else f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def print_plan(result: Plan) -> None:
@@ -396,6 +400,11 @@ def print_plan(result: Plan) -> None:
         "in; activations: saved for backward by one micro-batch's training step, under pp by the micro-batches its "
         "schedule keeps in flight (docs/planning.md); pp: the first or the last stage, whichever holds more"
     )
+    if result.configured.activations is None:
+        print(
+            "activations: ? (not counted): the datamodule sets its batch size in its own DataLoaders, unknown before "
+            "they run (the template's DataModule takes a global data.batch_size); total and fits are without them"
+        )
     if best is None and result.memory:
         print(f"no layout fits in {size(result.memory)}: {NO_FIT}")
 

@@ -132,7 +132,10 @@ class Topology:
         return self.strategy in MODEL_PARALLEL
 
     @property
-    def per_device_batch_size(self) -> int:
+    def per_device_batch_size(self) -> int | None:
+        """None where the data is not the template's DataModule: its own loaders set the batch, unknown here."""
+        if self.global_batch_size is None:
+            return None
         return per_device_batch_size(self.global_batch_size, self.data_parallel_size, self.accumulate, self.training)
 
     def validate(self) -> Topology:
