@@ -89,7 +89,7 @@ def test_fsdp_checkpoints_resume_anywhere(tmp_path):
 
     # eval on one process reads the sharded checkpoint (below: it gets the straight run's test metrics)
     best = max(run_dir(tmp_path, "straight").glob("checkpoints/epoch_*.ckpt"))
-    evaluate = ["model=gpt", "data=text", "trainer=cpu", *DATA, f"ckpt_path={best}", "extras.print_config=false"]
+    evaluate = ["trainer=cpu", *DATA, f"ckpt_path={best}", "extras.print_config=false"]  # its model, its data
     # export through the command line once (below: from a sharded and from a ddp checkpoint in this process)
     cli_out = tmp_path / "cli.pt"
     together(
@@ -228,7 +228,7 @@ def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
         train(tmp_path, "single", *GPT4, *strategy("single"), f"ckpt_path={last(tmp_path, 'interleaved')}")
 
     best = max(run_dir(tmp_path, "straight").glob("checkpoints/epoch_*.ckpt"))
-    evaluate = ["model=gpt", "data=text", "trainer=cpu", *DATA, f"ckpt_path={best}", "extras.print_config=false"]
+    evaluate = ["trainer=cpu", *DATA, f"ckpt_path={best}", "extras.print_config=false"]  # its model, its data
     together(
         lambda: train(tmp_path, "epoch", *pp2, "ckpt_path=auto"),
         interleaved_then_single,
