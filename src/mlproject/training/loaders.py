@@ -5,7 +5,8 @@ map-style dataset is made anew with the same dataset, collate function and worke
 - training: a StatefulDataLoader with TrainSampler: the same global batches on any world size, the position
   saved in every checkpoint, a run stopped mid-epoch resumed exactly;
 - evaluation: EvalBatches: every sample counted once on any world size, and no padded slot, ever.
-Loaders over an IterableDataset, and anything that is not a DataLoader, pass through unchanged.
+Loaders over an IterableDataset, and anything that is not a DataLoader, pass through unchanged. A sampler of the
+user's own (not Random/SequentialSampler) is kept, split over the data-parallel ranks as Lightning splits it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from torch.utils.data import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mlproject.core.errors import ConfigError
+from mlproject.utils.rank_logging import get_logger
+
+log = get_logger(__name__)
 
 
 @contextlib.contextmanager
@@ -195,6 +199,8 @@ def with_samplers(loader, train: bool, trainer):
         "persistent_workers": loader.persistent_workers,
         "in_order": loader.in_order,
     }
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        return with_own_sampler(loader, train, world, rank, kwargs)
     dataset = Seeded(loader.dataset, seed)
     if not train:
         return DataLoader(dataset, batch_sampler=EvalBatches(len(dataset), loader.batch_size, world, rank), **kwargs)
@@ -211,6 +217,23 @@ def with_samplers(loader, train: bool, trainer):
     return StatefulDataLoader(
         dataset, loader.batch_size, sampler=sampler, drop_last=loader.drop_last, generator=generator, **kwargs
     )
+
+
+def with_own_sampler(loader: DataLoader, train: bool, world: int, rank: int, kwargs: dict) -> DataLoader:
+    """`loader` with the user's own sampler kept (a weighted or class-balanced one draws what the user chose),
+    split over `world` ranks by Lightning's DistributedSamplerWrapper, as use_distributed_sampler would split it."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    split = f", split over {world} data-parallel ranks by Lightning's DistributedSamplerWrapper" if world > 1 else ""
+    log.warning(
+        f"the {'train' if train else 'evaluation'} DataLoader's {type(loader.sampler).__name__} is kept{split}: its "
+        "batches are its own, not the template's (the same on any world size, resumed exactly mid-epoch, every "
+        "evaluation sample counted once); give the DataLoader shuffle= instead of a sampler to have those"
+    )
+    if world == 1:
+        return loader
+    sampler = DistributedSamplerWrapper(loader.sampler, num_replicas=world, rank=rank, shuffle=False)
+    return DataLoader(loader.dataset, loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs)
 
 
 class WithSamplers:
