@@ -177,10 +177,11 @@ def test_it_trains_and_tests_under_single_and_fsdp(tmp_path):
 
 def test_a_sampler_of_the_users_own_is_kept_and_split_over_the_ranks(caplog):
     """A weighted sampler draws what its user chose: kept as it is on one process, and on two each rank takes
-    every other of its draws (Lightning's DistributedSamplerWrapper), never replaced by the template's."""
+    every other of its draws (Lightning's DistributedSamplerWrapper), never replaced by the template's; a user's
+    DistributedSampler is kept as it is."""
     from types import SimpleNamespace
 
-    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
 
     from mlproject.training.loaders import with_samplers
 
@@ -196,3 +197,5 @@ def test_a_sampler_of_the_users_own_is_kept_and_split_over_the_ranks(caplog):
     ranks = [SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": r}) for r in (0, 1)]
     assert [list(with_samplers(loader(), True, t).sampler) for t in ranks] == [draws[0::2], draws[1::2]]
     assert "train DataLoader's WeightedRandomSampler is kept, split over 2 data-parallel ranks" in caplog.text
+    own = DataLoader(TensorDataset(torch.arange(20)), sampler=DistributedSampler(range(20), num_replicas=2, rank=1))
+    assert with_samplers(own, True, ranks[1]) is own  # one that splits over the ranks already, as it is

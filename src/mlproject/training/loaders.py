@@ -221,16 +221,18 @@ def with_samplers(loader, train: bool, trainer):
 
 def with_own_sampler(loader: DataLoader, train: bool, world: int, rank: int, kwargs: dict) -> DataLoader:
     """`loader` with the user's own sampler kept (a weighted or class-balanced one draws what the user chose),
-    split over `world` ranks by Lightning's DistributedSamplerWrapper, as use_distributed_sampler would split it."""
+    split over `world` ranks by Lightning's DistributedSamplerWrapper, as use_distributed_sampler would split it;
+    a DistributedSampler, which splits already, as it is (as Lightning keeps it)."""
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-    split = f", split over {world} data-parallel ranks by Lightning's DistributedSamplerWrapper" if world > 1 else ""
+    split = world > 1 and not isinstance(loader.sampler, DistributedSampler)
+    how = f", split over {world} data-parallel ranks by Lightning's DistributedSamplerWrapper" if split else ""
     log.warning(
-        f"the {'train' if train else 'evaluation'} DataLoader's {type(loader.sampler).__name__} is kept{split}: its "
+        f"the {'train' if train else 'evaluation'} DataLoader's {type(loader.sampler).__name__} is kept{how}: its "
         "batches are its own, not the template's (the same on any world size, resumed exactly mid-epoch, every "
         "evaluation sample counted once); give the DataLoader shuffle= instead of a sampler to have those"
     )
-    if world == 1:
+    if not split:
         return loader
     sampler = DistributedSamplerWrapper(loader.sampler, num_replicas=world, rank=rank, shuffle=False)
     return DataLoader(loader.dataset, loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **kwargs)
