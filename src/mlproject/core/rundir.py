@@ -176,18 +176,17 @@ class RunDirectory(Callback):
     directory for a multirun: its trials' directories lie below it)."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        try:
-            refuse_url_paths(config)
-            check_names(config)
-            claim(config.hydra.run.dir)
-        except ConfigError as exc:
-            refuse(exc)
+        self.start(config, config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.start(config, config.hydra.sweep.dir)
+
+    @staticmethod
+    def start(config: DictConfig, run_dir: str) -> None:
         try:
             refuse_url_paths(config)
             check_names(config)
-            claim(config.hydra.sweep.dir)
+            claim(run_dir)
         except ConfigError as exc:
             refuse(exc)
 
