@@ -78,8 +78,8 @@ def no_sync_overrides(steps: int) -> list[str]:
         "+callbacks.sync._target_=gpu_check.sync_check",
         f"+callbacks.sync.first={WARMUP_STEPS}",
         f"+callbacks.sync.last={steps - 1}",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_checkpointing=false",
+        "++trainer.enable_progress_bar=false",
+        "trainer.enable_checkpointing=false",  # a key of configs/trainer/default.yaml
         f"trainer.log_every_n_steps={steps}",
         f"cluster.signal_check_every_n_steps={steps}",
     ]

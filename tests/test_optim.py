@@ -79,3 +79,18 @@ def test_adamw_picks_its_kernel_by_device_and_matches_the_loop(device, kernel, r
             opt.step()
     for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    ("precision", "clip", "refused"), [("bf16-mixed", 1.0, True), ("bf16-mixed", None, False), ("32-true", 1.0, False)]
+)
+def test_fused_adamw_is_not_given_to_a_trainer_that_would_refuse_to_clip_it(precision, clip, refused):
+    """Lightning's mixed-precision plugin raises at the first step for a fused optimizer with gradient clipping
+    (seen on an H200 with trainer=gpu): adamw keeps the foreach kernel there."""
+    import lightning as L
+
+    from mlproject.training.optim import clips_mixed_precision
+
+    module = L.LightningModule()
+    module.trainer = L.Trainer(accelerator="cpu", precision=precision, gradient_clip_val=clip, logger=False)
+    assert clips_mixed_precision(module) is refused

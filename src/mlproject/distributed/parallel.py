@@ -37,7 +37,8 @@ def named_meshes(topology, device_type: str) -> dict:
     shape = (dims["pipeline"], dims["replicate"], shard, dims["tensor_parallel"])
     root = init_device_mesh(device_type, shape, mesh_dim_names=names)
     split = ("expert_shard", "expert_parallel")
-    experts = root._unflatten("shard", tuple(dims[name] for name in split), split)
+    # by index: torch 2.11's _unflatten refuses a dimension given by a name it has (pytorch#176443)
+    experts = root._unflatten(names.index("shard"), tuple(dims[name] for name in split), split)
     hsdp = dims["replicate"] > 1  # a 1-D mesh otherwise: plain FSDP's placements, bytes and collectives
     meshes = {name: root[name] for name in names} | {
         "data_parallel": root["replicate", "shard"]._flatten("data_parallel"),
@@ -315,6 +316,10 @@ class ModelParallel(ModelParallelStrategy):
         if self._layer_sync and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self.model = self._layer_sync.apply(self.model)
 
+    def setup(self, trainer) -> None:
+        super().setup(trainer)  # configure_model has run: the layout is final
+        check_sharded(self.lightning_module, self.topology.strategy, self.fsdp is None)
+
     def model_to_device(self) -> None:
         """Lightning moves the whole module to the device after configure_model; with FSDP's CPU offload that would
         move the host-held shards back to the GPU (FSDP2 then fails at the first forward): only buffers go."""
@@ -323,6 +328,61 @@ class ModelParallel(ModelParallelStrategy):
         for module in self.model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, buffer.to(self.root_device))  # a buffer's name keeps it a buffer
+
+
+# what the named meshes (named_meshes) call their dimensions; FSDP over TP combines two of them
+MESH_DIMS = {"pipeline", "replicate", "shard", "tensor_parallel", "expert_shard", "expert_parallel", "data_parallel"}
+
+
+def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
+    """Once after setup: every trainable parameter is a DTensor on our meshes (under pure TP the plan leaves
+    embeddings and norms whole, replicated: at least one layer must be split), or one line names the first one.
+    A module whose configure_model builds or keeps its network without sharding it would otherwise train one
+    unsynced copy per rank and fail, if at all, only when a checkpoint is loaded."""
+    from torch.distributed.tensor import DTensor
+
+    from mlproject.core.errors import ConfigError
+
+    params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+    if not params:
+        return
+    outside = [
+        n for n, p in params if not (isinstance(p, DTensor) and set(p.device_mesh.mesh_dim_names or ()) <= MESH_DIMS)
+    ]
+    if not outside or (tp_only and len(outside) < len(params)):
+        return
+    what = "split by the tensor-parallel plan" if tp_only else "sharded"
+    raise ConfigError(
+        f"strategy={strategy}: parameter {outside[0]} of {type(pl_module).__name__} is not {what}, so each rank "
+        "would train its own copy without gradient sync; end configure_model with "
+        "mlproject.distributed.parallel.parallelize(self, <the network>), or drop configure_model and build the "
+        "network in __init__ (the strategy then shards each submodule)"
+    )
+
+
+def check_same_weights(net: nn.Module, device: torch.device) -> None:
+    """Ranks start from identical weights (FSDP keeps each rank's own slice of what it built; TP each rank's
+    copy of what the plan leaves whole): per parameter a float64 sum and sum of squares, compared by one MAX
+    all-reduce of them and their negatives, before anything is sharded. Parameters sharded already (DTensors) or
+    not yet materialised (meta) are left out."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from mlproject.core.errors import ConfigError
+
+    named = [(n, p) for n, p in net.named_parameters() if not isinstance(p, DTensor) and not p.is_meta]
+    if not named:
+        return
+    sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()]) for _, p in named])
+    both = torch.cat([sums, -sums]).to(device)  # NCCL reduces device tensors only
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    differs = (both[: len(named)] != -both[len(named) :]).any(dim=1)
+    if differs.any():
+        raise ConfigError(
+            f"parameter {named[int(differs.nonzero()[0])][0]} differs across ranks before sharding (each built its "
+            "own initial weights): seed every rank alike (seed=<int>, with no rank in it) or load the same weights "
+            "on every rank"
+        )
 
 
 def blocks_of(model: nn.Module, blocks: list[str]) -> list[nn.Module]:
@@ -461,6 +521,7 @@ def parallelize(
         if dist.is_available() and dist.is_initialized():  # ddp, deepspeed: every rank reads its own batch
             set_batch_group(net, dist.group.WORLD)
         return
+    check_same_weights(net, strategy.root_device)
     meshes = strategy.meshes
     pp = meshes["pipeline"]
     if pp.size() > 1:

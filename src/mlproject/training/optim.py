@@ -17,9 +17,9 @@ log = get_logger(__name__)
 def adamw(module: nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.AdamW:
     """Biases and norm scales (1-D tensors) get no weight decay: decaying them only hurts.
 
-    On CUDA the fused kernel (a few launches for the whole model); elsewhere the multi-tensor (foreach)
-    one, which torch picks by default only on CUDA. Either computes what the per-parameter loop does. Both
-    need one tensor type: tensor parallelism leaves embeddings and norms plain tensors beside its DTensors,
+    On CUDA the fused kernel (a few launches for the whole model), unless Lightning would refuse to clip its
+    gradients; elsewhere the multi-tensor (foreach) one, which torch picks by default only on CUDA. Either
+    computes what the per-parameter loop does. Both need one tensor type: tensor parallelism leaves embeddings and norms plain tensors beside its DTensors,
     so such a mix takes the per-parameter loop."""
     from torch.distributed.tensor import DTensor
 
@@ -28,10 +28,20 @@ def adamw(module: nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    cuda = bool(params) and all(p.device.type == "cuda" for p in params) and not clips_mixed_precision(module)
     if len({isinstance(p, DTensor) for p in params}) > 1:
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), foreach=False)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=cuda or None, foreach=not cuda or None)
+
+
+def clips_mixed_precision(module: nn.Module) -> bool:
+    """Lightning's mixed-precision plugin refuses to clip a fused optimizer's gradients (under 16-mixed it unscales
+    them itself; under bf16-mixed nothing is scaled, but the check does not tell the two apart): such a run keeps the
+    multi-tensor kernel."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    trainer = getattr(module, "_trainer", None)
+    return bool(trainer and trainer.gradient_clip_val and isinstance(trainer.precision_plugin, MixedPrecision))
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0):
