@@ -80,10 +80,12 @@ def check_lr_scaling(cfg: DictConfig) -> None:
 
 def check_vocabulary(cfg: DictConfig) -> None:
     """A model with fewer token ids than its data would fail at the first out-of-range id, deep in an embedding."""
-    data, net = cfg.get("data") or {}, (cfg.get("model") or {}).get("net") or {}
-    if "vocab_size" in data and "vocab_size" in net and net.vocab_size < data.vocab_size:
+    from mlproject.distributed.strategies import net_setting
+
+    data, (at, vocab) = cfg.get("data") or {}, net_setting(cfg, "vocab_size")
+    if "vocab_size" in data and vocab is not None and vocab < data.vocab_size:
         raise ConfigError(
-            f"model.net.vocab_size={net.vocab_size} is smaller than data.vocab_size={data.vocab_size}; "
+            f"{at}={vocab} is smaller than data.vocab_size={data.vocab_size}; "
             "drop the override (it follows the data) or raise it"
         )
 
@@ -150,7 +152,7 @@ def preflight(cfg: DictConfig) -> Topology:
     from mlproject.cluster import kubernetes
     from mlproject.cluster.slurm import check_in_job
     from mlproject.distributed.launch import CHECKED_BY_RANK_0, check_deepspeed, check_launch
-    from mlproject.distributed.strategies import check_model_parallel
+    from mlproject.distributed.strategies import check_model_parallel, check_plan
 
     refuse_url_paths(cfg)  # also in Hydra's callback, before it makes the run directory; here for train(cfg) too
 
@@ -167,6 +169,8 @@ def preflight(cfg: DictConfig) -> Topology:
     check_vocabulary(cfg)
     topology.validate()
     check_model_parallel(cfg, topology)
+    if not checked:
+        check_plan(cfg, topology)  # builds the model on the meta device
     ckpt = cfg.get("ckpt_path")
     # a URL (s3://...) is checked where it is read: checkpoint.resume.resolve_ckpt_path
     if ckpt and ckpt != "auto" and "://" not in str(ckpt) and not Path(ckpt).exists():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology, auto_strategy
@@ -64,6 +64,25 @@ def model_parallel(timeout: float = 1800, **degrees):
     return ModelParallel(timeout=timedelta(seconds=timeout), **degrees)
 
 
+def net_setting(cfg: DictConfig, key: str) -> tuple[str, object]:
+    """(path, value) of a network setting (vocab_size, n_head, n_layer, n_expert) wherever the model config
+    holds it: model.net.<key> (the template's examples), model.net.config.<key> (nanoGPT's GPTConfig nested under
+    net), model.config.<key> (a module that builds its network); the shallowest wins, the plan is skipped.
+    (None, None) when the config has none."""
+    level = [("model", cfg.get("model") or {})]
+    while level:
+        for path, node in level:
+            if key in node:
+                return f"{path}.{key}", node.get(key)
+        level = [
+            (f"{path}.{name}", child)
+            for path, node in level
+            for name, child in node.items()
+            if isinstance(child, DictConfig) and name != "parallel"
+        ]
+    return None, None
+
+
 def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
     """Preflight for strategy=fsdp|hsdp|tp|fsdp_tp: what the model and the machine must allow (the topology's
     own shape was validated already)."""
@@ -71,14 +90,16 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
         return
     strategy, name = cfg.strategy, topology.strategy
     tp, ep = topology.tensor_parallel_size, topology.expert_parallel_size
-    net, plan = cfg.model.get("net") or {}, cfg.model.get("parallel") or {}
-    heads, experts = net.get("n_head"), net.get("n_expert")
+    plan = cfg.model.get("parallel") or {}
+    (heads_at, heads), (experts_at, experts) = net_setting(cfg, "n_head"), net_setting(cfg, "n_expert")
     if heads is not None and heads % tp:
-        raise ConfigError(f"model.net.n_head={heads} must divide by strategy.tensor_parallel_size={tp}")
+        raise ConfigError(f"{heads_at}={heads} must divide by strategy.tensor_parallel_size={tp}")
     if ep > 1 and not plan.get("experts"):
         raise ConfigError(f"strategy.expert_parallel_size={ep} needs a mixture-of-experts model (e.g. model=gpt_moe)")
     if ep > 1 and (experts or 0) % ep:
-        raise ConfigError(f"model.net.n_expert={experts} must divide by strategy.expert_parallel_size={ep}")
+        raise ConfigError(
+            f"{experts_at or 'model.net.n_expert'}={experts} must divide by strategy.expert_parallel_size={ep}"
+        )
     if tp > 1 and not plan.get("colwise"):
         model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
         raise ConfigError(
@@ -101,7 +122,7 @@ def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
 
     pp, settings = topology.pipeline_parallel_size, cfg.strategy.get("pipeline") or {}
     schedule, m = settings.get("schedule"), int(settings.get("microbatches") or 0)
-    plan, layers = cfg.model.get("parallel") or {}, (cfg.model.get("net") or {}).get("n_layer")
+    plan, (layers_at, layers) = cfg.model.get("parallel") or {}, net_setting(cfg, "n_layer")
     model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
     if not plan.get("pipeline"):
         raise ConfigError(f"pipeline parallelism splits the blocks named by model.parallel.pipeline; {model} has none")
@@ -112,7 +133,7 @@ def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
     stages = pp * stages_per_rank(schedule)
     if layers is not None and (layers < stages or layers % stages):
         raise ConfigError(
-            f"model.net.n_layer={layers} does not divide into {stages} pipeline stages ({schedule} on "
+            f"{layers_at}={layers} does not divide into {stages} pipeline stages ({schedule} on "
             f"pipeline_parallel_size={pp}); use a multiple of {stages} blocks"
         )
     if m < min_microbatches(schedule, pp):
@@ -134,3 +155,97 @@ def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
             f"data.batch_size={topology.global_batch_size} gives {topology.per_device_batch_size} samples per "
             f"data-parallel rank, which do not divide into strategy.pipeline.microbatches={m}"
         )
+
+
+# names that fuse q, k and v in one Linear (nanoGPT and GPT-2's c_attn, GPT-NeoX's query_key_value, Phi-3's
+# qkv_proj, MPT's Wqkv, Baichuan's W_pack, torch's in_proj)
+FUSED = ("qkv", "c_attn", "query_key_value", "w_pack", "in_proj")
+
+
+def check_plan(cfg: DictConfig, topology: Topology) -> None:
+    """Every entry of model.parallel names what it should, before any process starts: `blocks` and `experts` are
+    importable module classes found in the model, `colwise` and `rowwise` are Linear or Embedding layers of a
+    block, and under tensor parallelism no colwise layer is a fused q/k/v projection, which a column split cuts
+    into uneven q, k and v pieces (the model's own split then fails inside its forward on every rank). The model
+    is built on the meta device (no memory, no initialisation), with its configure_model if it builds there."""
+    import torch
+    from hydra.utils import get_class, instantiate
+    from torch import nn
+
+    plan = cfg.model.get("parallel") or {}
+    if not topology.model_parallel or not plan:
+        return
+    for key in ("blocks", "experts"):
+        for name in plan.get(key) or ():
+            try:
+                get_class(name)
+            except Exception as exc:  # noqa: BLE001 (an import error of any kind: the one line says which)
+                raise ConfigError(f"model.parallel.{key}: {name} is not an importable class ({exc})") from None
+    try:
+        with torch.device("meta"):
+            model = instantiate(without_plan(cfg.model))
+            model.configure_model()  # a lazy build; the template's parallelize does nothing outside a Trainer
+    except Exception:  # noqa: BLE001 (a model that does not build here is build's to report, in its one line)
+        return
+    classes = tuple(get_class(name) for name in plan.get("blocks") or ())
+    blocks = {type(m): m for m in model.modules() if classes and isinstance(m, classes)}
+    if classes and not blocks:
+        repeated = sorted(
+            {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules() if repeats(model, m)}
+        )
+        raise ConfigError(
+            f"model.parallel.blocks: no module of {', '.join(plan.blocks)} in {type(model).__name__}; its repeated "
+            f"module classes: {', '.join(repeated) or 'none'}"
+        )
+    tp = topology.tensor_parallel_size > 1
+    for kind in ("colwise", "rowwise"):
+        for name in plan.get(kind) or ():
+            for block in blocks.values():
+                where = f"model.parallel.{kind}: {name} of {type(block).__name__}"
+                layer = block.get_submodule(name) if has_submodule(block, name) else None
+                if not isinstance(layer, nn.Linear | nn.Embedding):
+                    layers = [n for n, m in block.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
+                    is_what = "is no layer" if layer is None else f"is a {type(layer).__name__}"
+                    raise ConfigError(f"{where} {is_what}; its Linear and Embedding layers: {', '.join(layers)}")
+                if tp and kind == "colwise" and isinstance(layer, nn.Linear) and fused(name, layer):
+                    raise ConfigError(
+                        f"{where} is a fused q/k/v projection (Linear {layer.in_features} -> {layer.out_features}), "
+                        "which tensor parallelism cannot split by columns; split it into three Linear layers named "
+                        "in colwise (as model=gpt's attn.q, attn.k, attn.v), or drop it and its rowwise output "
+                        "projection from the plan (then TP splits the MLP only), or use strategy=fsdp"
+                    )
+
+
+def without_plan(model: DictConfig) -> DictConfig:
+    """The model config as its module takes it: `parallel` is the template's, unless the module asks for it."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    params = inspect.signature(get_class(model._target_)).parameters
+    if "parallel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return model
+    model = model.copy()  # keeps its parent: interpolations still resolve
+    with open_dict(model):
+        model.pop("parallel", None)
+    return model
+
+
+def fused(name: str, layer) -> bool:
+    """A q/k/v projection in one Linear: by its name, or an attention layer with three times its width out."""
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return any(f in leaf for f in FUSED) or ("attn" in name.lower() and layer.out_features == 3 * layer.in_features)
+
+
+def has_submodule(module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def repeats(model, module) -> bool:
+    """A module class with parameters that occurs more than once: the candidates for `blocks`."""
+    same = [m for m in model.modules() if type(m) is type(module)]
+    return len(same) > 1 and next(module.parameters(), None) is not None and len(list(module.children())) > 1
