@@ -100,7 +100,8 @@ def run_one(name: str, experiment: str, overrides: list[str], steps: int, tmp: s
     row = {"strategy": name, "ok": proc.returncode == 0 and Path(out).exists(), "wall_s": time.time() - start}
     if not row["ok"]:
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-        row["error"] = lines[-1][:160] if lines else f"exit code {proc.returncode}"
+        errors = [ln for ln in lines if ln.startswith("error: ")]  # a bug's report ends with where its traceback is
+        row["error"] = (errors or lines)[-1][:160] if lines else f"exit code {proc.returncode}"
         return row
     rec = json.loads(Path(out).read_text())
     times = rec["times"]

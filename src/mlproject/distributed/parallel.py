@@ -450,6 +450,10 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    if param_dtype is not None:  # BatchNorm's fp32 running statistics refuse bf16 weights: its own unit, kept fp32
+        fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)}
+        for module in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            fully_shard(module, mesh=mesh, **fp32)
     if expert_mesh is not None:
         for module in blocks_of(model, experts):
             fully_shard(module, mesh=expert_mesh, **kwargs)
@@ -582,8 +586,11 @@ def clip_grad_norm_(parameters, max_norm: float, pipeline_parallel_size: int = 1
         copies.setdefault(dist.get_world_size() // pipeline_parallel_size // distinct, []).append(g)
     squares = [torch.nn.utils.get_total_norm(grads).square() / k for k, grads in copies.items()]
     total = torch.stack(squares).sum()
-    dist.all_reduce(total)
-    total = total.sqrt()
+    # CPU-offloaded gradients sum on the host, where NCCL has no backend: the one all-reduce runs on the GPU
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else total.device
+    reduced = total.to(on)
+    dist.all_reduce(reduced)
+    total = reduced.to(total.device).sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)  # foreach needs one tensor type
     return total
 
