@@ -10,8 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers.processes import FAST, clean_env, run_in_process
+from tests.helpers.processes import FAST, clean_env, run, run_dirs, run_in_process, together
 
 NANOGPT = Path(__file__).parents[1] / "fixtures/nanogpt"
 PROJECT = [f"hydra.searchpath=[file://{NANOGPT}/configs]", "data=text", "data.block_size=32", "data.batch_size=8"]
@@ -100,3 +101,83 @@ def test_template_plans_pass_the_check(tmp_path, compose_cfg):
         cfg.model.parallel.rowwise = [*cfg.model.parallel.rowwise, "attn.c_proj"]
         with pytest.raises(ConfigError, match="^model.parallel.rowwise: attn.c_proj of Block is no layer; its"):
             check_plan(cfg, Topology.of(cfg))
+
+
+STEPS = ["trainer.max_steps=6", "trainer.max_epochs=1", "+callbacks.steps._target_=tests.helpers.callbacks.RecordSteps"]
+SHARDED = ["strategy=fsdp", "trainer.devices=2"]
+QUICK = ["callbacks=none", "test=false", "trainer.limit_val_batches=0"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Side by side: the module with the network built in __init__ in one process (with the default callbacks:
+    validation every 3 steps, the best checkpoint, a test), the same under an empty configure_model and the
+    lazy-build module on one process and under fsdp on 2, and a parameter outside any submodule under fsdp."""
+    plans = {
+        "single": ["model=nanogpt", "trainer.val_check_interval=3", "trainer.limit_val_batches=2"]
+        + ["trainer.limit_test_batches=2"],
+        "empty_hook": ["model=nanogpt", "model._target_=mygpt.lit.EmptyHookLitGPT", *QUICK, *SHARDED],
+        "lazy_single": ["model=nanogpt_lazy", *QUICK],
+        "lazy": ["model=nanogpt_lazy", *QUICK, *SHARDED],
+        "outside": ["model=nanogpt", "model._target_=mygpt.lit.ScaledLitGPT", *QUICK, *SHARDED],
+    }
+    root = tmp_path_factory.mktemp("moves_in")
+
+    def one(name):
+        proc = run("train", *FAST, *PROJECT, *STEPS, *plans[name], log_dir=root / name, env=env(), check=False)
+        (run_dir,) = run_dirs(root / name) or [None]  # a run that fails before training leaves none
+        done = run_dir is not None and (run_dir / "steps.pt").exists()
+        return {"proc": proc, "run_dir": run_dir, **(torch.load(run_dir / "steps.pt") if done else {})}
+
+    return dict(zip(plans, together(*(lambda n=n: one(n) for n in plans)), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "reference"), [("empty_hook", "single"), ("lazy", "lazy_single")])
+def test_a_module_with_its_own_configure_model_is_sharded_and_trains_as_one_process(runs, name, reference):
+    """An empty configure_model, or one that builds the network (Lightning's lazy-build hook), used to leave the
+    network whole under fsdp: each rank trained its own copy, unsynced. The strategy now shards it after the hook:
+    every step's global loss within 2e-6 relative and every final parameter within 5e-6 of one process (the
+    strategy-equivalence tolerances of docs/model-parallel.md), and the ranks started from the same weights."""
+    got, ref = runs[name], runs[reference]
+    assert got["proc"].returncode == 0, got["proc"].stderr[-3000:]
+    assert len(got["losses"]) == len(ref["losses"]) == 6
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=2e-6, atol=0)
+    assert got["state"].keys() == ref["state"].keys()
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=0, atol=5e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_a_parameter_outside_every_submodule_is_refused_once_after_setup(runs):
+    """The strategy shards submodules; a parameter held by the LightningModule itself would stay one copy per rank:
+    the run stops after setup, before the first step, with one line naming it."""
+    proc = runs["outside"]["proc"]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: strategy=")]
+    assert proc.returncode != 0 and "losses" not in runs["outside"]
+    assert set(errors) == {  # the same line from each rank
+        "error: strategy=fsdp: parameter temperature of ScaledLitGPT is not sharded, so each rank would train its "
+        "own copy without gradient sync; keep it in a submodule (the strategy shards each one after "
+        "configure_model), or shard it in configure_model with mlproject.distributed.parallel.parallelize(self, "
+        "<its module>)."
+    }
+
+
+@pytest.mark.slow
+def test_a_module_that_logs_only_losses_keeps_its_best_checkpoint_by_val_loss(runs):
+    """The default monitor (val/acc) is a classifier's: a module that logs val/loss only used to crash at its first
+    validation. The best checkpoint now follows val/loss (min), with one notice, and the test loads it."""
+    import csv
+
+    proc, run_dir = runs["single"]["proc"], runs["single"]["run_dir"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "LitGPT logs no val/acc: the best checkpoint is the one with the lowest val/loss" in out
+    with open(run_dir / "csv/metrics.csv") as f:
+        val = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
+    assert len(val) == 2
+    (best,) = (run_dir / "checkpoints").glob("epoch_*.ckpt")
+    state = torch.load(best, weights_only=True)["callbacks"]
+    (score,) = [v["best_model_score"] for k, v in state.items() if k.startswith("ModelCheckpoint")]
+    assert float(score) == pytest.approx(min(val), rel=1e-6)
+    assert f"testing {best}" in out

@@ -305,9 +305,12 @@ class ModelParallel(ModelParallelStrategy):
         self.meshes = named_meshes(self.topology, self.root_device.type)
         self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
         module = self.lightning_module
-        if not is_overridden("configure_model", module):
-            # a plain module, without a plan (on the instance, where Lightning looks for the hook)
-            module.configure_model = functools.partial(parallelize_children, module)
+        if "configure_model" not in vars(module):  # once per module (each fit and test sets the strategy up)
+            # The template shards after the module's own configure_model, if any (on the instance, where Lightning
+            # looks for the hook): a network built there (Lightning's lazy-build hook), or in __init__ under an
+            # empty hook, is sharded like any plain module's; what the module parallelized itself is left as it is.
+            own = module.configure_model if is_overridden("configure_model", module) else None
+            module.configure_model = functools.partial(configure_then_shard, module, own)
         # SyncBatchNorm before configure_model shards the model: the conversion builds new modules (torch's on GPU,
         # ours on CPU alike), and after fully_shard they would hold the sharded weights while FSDP gathers into the
         # old ones. Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be ignored.
@@ -337,8 +340,9 @@ MESH_DIMS = {"pipeline", "replicate", "shard", "tensor_parallel", "expert_shard"
 def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
     """Once after setup: every trainable parameter is a DTensor on our meshes (under pure TP the plan leaves
     embeddings and norms whole, replicated: at least one layer must be split), or one line names the first one.
-    A module whose configure_model builds or keeps its network without sharding it would otherwise train one
-    unsynced copy per rank and fail, if at all, only when a checkpoint is loaded."""
+    A parameter left whole (one held by the LightningModule itself, outside its submodules, or a submodule the
+    module parallelized only in part) would otherwise train as one unsynced copy per rank and fail, if at all,
+    only when a checkpoint is loaded."""
     from torch.distributed.tensor import DTensor
 
     from mlproject.core.errors import ConfigError
@@ -354,9 +358,9 @@ def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
     what = "split by the tensor-parallel plan" if tp_only else "sharded"
     raise ConfigError(
         f"strategy={strategy}: parameter {outside[0]} of {type(pl_module).__name__} is not {what}, so each rank "
-        "would train its own copy without gradient sync; end configure_model with "
-        "mlproject.distributed.parallel.parallelize(self, <the network>), or drop configure_model and build the "
-        "network in __init__ (the strategy then shards each submodule)"
+        "would train its own copy without gradient sync; keep it in a submodule (the strategy shards each one "
+        "after configure_model), or shard it in configure_model with "
+        "mlproject.distributed.parallel.parallelize(self, <its module>)"
     )
 
 
@@ -546,11 +550,17 @@ def parallelize(
             metric.process_group = meshes["metrics"].get_group()
 
 
-def parallelize_children(pl_module) -> None:
-    """configure_model of a module that has none: each child with parameters is one FSDP unit (a step calls the
-    children, never the module itself, whose forward would gather a whole-module unit)."""
+def configure_then_shard(pl_module, own) -> None:
+    """The module's configure_model (`own`, or None), then each child it left unsharded as one FSDP unit (a step
+    calls the children, never the module itself, whose forward would gather a whole-module unit). A child already
+    holding DTensors was parallelized by the module itself."""
+    from torch.distributed.tensor import DTensor
+
+    if own is not None:
+        own()
     for child in pl_module.children():
-        if next(child.parameters(), None) is not None:
+        params = list(child.parameters())
+        if params and not any(isinstance(p, DTensor) for p in params):
             parallelize(pl_module, child)
 
 
