@@ -11,20 +11,17 @@ checkpoint may hold").
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import pickle
-import re
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file, refusing, trusted
 from mlproject.core.errors import CheckpointError
-
-TRUST = "MLPROJECT_TRUST_CHECKPOINT"
 
 # What DCP's .metadata pickles (torch 2.13): its dataclasses, sizes, layouts, the path it was saved to; dtypes too
 DCP_METADATA = {
@@ -47,33 +44,6 @@ DCP_METADATA = {
     "pathlib.PosixPath",
     "pathlib._local.PosixPath",  # Python 3.13's name for it
 }
-
-
-def trusted() -> bool:
-    """Whether the user opted in to loading checkpoints in full (MLPROJECT_TRUST_CHECKPOINT=1)."""
-    return os.environ.get(TRUST) == "1"
-
-
-@contextlib.contextmanager
-def refusing(name: str | Path):
-    """A pickle that a weights-only load refuses ends in one line naming `name` and the type it holds."""
-    try:
-        yield
-    except pickle.UnpicklingError as exc:
-        reason = str(exc).rpartition("WeightsUnpickler error: ")[2].split(". ")[0]  # torch's own words, first
-        found = re.search(r"GLOBAL ([\w.]+)", reason)
-        what = found.group(1) if found else f"an object torch's weights-only unpickler refuses ({reason})"
-        raise CheckpointError(
-            f"{name} holds {what}: checkpoints load with weights_only=True, as unpickling anything else can run "
-            f"code; if you trust this file, run again with {TRUST}=1"
-        ) from None
-
-
-def load_file(source, name: str | Path | None = None, **kwargs) -> Any:
-    """`torch.load(source, **kwargs)` with weights_only=True unless trusted(): the one way this template reads a
-    torch.save file. A refused pickle is one CheckpointError naming `name` (default: `source`)."""
-    with refusing(name or source):
-        return torch.load(source, weights_only=not trusted(), **kwargs)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -106,8 +76,6 @@ def check_unpickles(path: str | Path) -> None:
     if trusted() or Path(path).is_file():
         return
     if checkpoint_format(path) == "deepspeed":
-        from mlproject.checkpoint.zero_shards import allow_deepspeed_types
-
         allow_deepspeed_types()
         tag = Path(path) / (Path(path) / "latest").read_text().strip()
         for file in sorted(tag.glob("*.pt")):
@@ -355,7 +323,6 @@ def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: boo
     key "config"; else `{"state_dict", "config"}` as plain tensors and containers (torch.load
     weights_only=True). With `ema` the EMA weights where the checkpoint has them (callbacks=ema), else the
     raw weights. The file appears under its name only once complete."""
-    import os
 
     from omegaconf import OmegaConf
 

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file
+
 PREFIX = "_forward_module."  # Lightning's wrapper around the LightningModule, in DeepSpeed's parameter names
 
 
@@ -34,20 +36,8 @@ class Piece(NamedTuple):
     numel: int
 
 
-def allow_deepspeed_types() -> None:
-    """DeepSpeed's optimizer-state files pickle four of its own types (ZeRO 1-3; DynamicLossScaler under fp16):
-    plain records of numbers, allowed in weights-only loads (convert.load_file)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
-
-
 def load_meta(file: str | Path) -> dict:
     """A torch.save file with its tensors on the meta device, each knowing its offset in the file."""
-    from mlproject.checkpoint.convert import load_file
-
     return load_file(file, map_location="meta")
 
 
@@ -66,8 +56,6 @@ def read_into(out: torch.Tensor, file: str | Path, saved: torch.Tensor, start: i
 class ZeroShards:
     def __init__(self, path: str | Path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files, get_optim_files
-
-        from mlproject.checkpoint.convert import load_file
 
         allow_deepspeed_types()
         ds_dir = Path(path) / (Path(path) / "latest").read_text().strip()

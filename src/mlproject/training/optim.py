@@ -19,8 +19,8 @@ def adamw(module: nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0
 
     On CUDA the fused kernel (a few launches for the whole model), unless Lightning would refuse to clip its
     gradients; elsewhere the multi-tensor (foreach) one, which torch picks by default only on CUDA. Either
-    computes what the per-parameter loop does. Both need one tensor type: tensor parallelism leaves embeddings and norms plain tensors beside its DTensors,
-    so such a mix takes the per-parameter loop."""
+    computes what the per-parameter loop does. Both need one tensor type: tensor parallelism leaves embeddings
+    and norms plain tensors beside its DTensors, so such a mix takes the per-parameter loop."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in module.parameters() if p.requires_grad]
