@@ -49,6 +49,8 @@ BOTH = (
     "tests/gpu/test_gpu.py",
     "tests/test_plan.py",
     "tests/test_search_spaces.py",  # one example's search space for the other's model
+    "tests/checkpoint/test_trust.py",  # a GPT checkpoint refused by the digits model
+    "tests/data/test_trust_data.py",  # label checks of the digits and images, shard checks of the tokens
 )
 # Add an example's files here when you add them, so that dropping the example drops them too
 # (tests/test_starter.py fails when a kept file still imports a dropped module).
@@ -80,6 +82,7 @@ EXAMPLES = {
             "tests/test_notebook.py",
             "tests/test_lr_schedule.py",  # the LR schedule of a real digits run
             "tests/test_add_your_own.py",  # the README's walkthrough copies the digits files
+            "tests/test_move_in.py",  # an LHT project beside the digits example's configs
             *BOTH,
         ),
         defaults={"data": "digits", "model": "digits"},
@@ -119,6 +122,8 @@ EXAMPLES = {
             "tests/test_moe.py",
             "tests/checkpoint/test_sharded.py",  # sharded (FSDP) checkpoints, on the GPT
             "tests/checkpoint/test_reshard_memory.py",  # what each rank reads when resuming, on a larger GPT
+            "tests/distributed/test_transformer_moves_in.py",  # a nanoGPT-shaped project on the GPT's text data
+            "tests/fixtures/nanogpt",
             "notebooks/*gpt*",
             *BOTH,
         ),

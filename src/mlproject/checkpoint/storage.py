@@ -356,5 +356,6 @@ class PortableCheckpointIO(TorchCheckpointIO):
         from mlproject.checkpoint.convert import check_fits, load_full
 
         checkpoint = load_full(path)  # weights-only unless MLPROJECT_TRUST_CHECKPOINT=1, whatever Lightning passes
-        check_fits(checkpoint["state_dict"], self.module, path)
+        if "state_dict" in checkpoint:  # ddp_spawn hands its trained weights back as a bare state dict
+            check_fits(checkpoint["state_dict"], self.module, path)
         return checkpoint
