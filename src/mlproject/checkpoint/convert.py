@@ -22,6 +22,7 @@ import torch
 
 from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file, refusing, trusted
 from mlproject.core.errors import CheckpointError
+from mlproject.core.paths import is_url as is_remote
 
 # What DCP's .metadata pickles (torch 2.13): its dataclasses, sizes, layouts, the path it was saved to; dtypes too
 DCP_METADATA = {
@@ -95,11 +96,6 @@ def check_unpickles(path: str | Path) -> None:
                 raise CheckpointError(f"{name}: {index.fqn} is stored with transforms this template does not read")
             data = fs.cat_file(name, start=stored.offset, end=stored.offset + stored.length)
             load_file(io.BytesIO(data), f"{name} ({index.fqn})")
-
-
-def is_remote(path: str | Path) -> bool:
-    """An fsspec URL other than a local file (s3://bucket/key, gs://..., memory://...)."""
-    return "://" in str(path) and not str(path).startswith("file://")
 
 
 def download(url: str, dest: Path) -> None:
