@@ -16,7 +16,8 @@ import pytest
 from mlproject.core.rundir import LOCK
 from tests.helpers.processes import FAST, PYTHON, clean_env, kill_group, run, run_dirs, run_in_process
 
-SHORT = [*FAST, "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1"]
+# Two steps of whichever example is the project's default (the GPT's take ~1 s each on one thread), no test stage.
+SHORT = [*FAST, "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "test=false"]
 USER_MODULE = """import lightning as L
 import torch
 
@@ -112,11 +113,12 @@ def test_names_are_one_folder(key, value, project):
 
 def test_a_second_run_under_a_live_runs_id_is_refused(tmp_path):
     """The live run keeps its directory, its config and its lock, and ends well."""
-    cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "run_id=live", *FAST, "trainer.max_epochs=3"]
+    slow = ["+callbacks.slow._target_=tests.helpers.callbacks.SlowSteps", "+callbacks.slow.seconds=3"]
+    cmd = [PYTHON, "-m", "mlproject.train", f"paths.log_dir={tmp_path}", "run_id=live", *SHORT, *slow]
     live = subprocess.Popen(cmd, env=clean_env(), text=True, start_new_session=True, **OUT)
     try:
         run_dir = tmp_path / "train/runs/live"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # the warm interpreter may still be starting
         while not (run_dir / ".hydra/overrides.yaml").exists() and live.poll() is None:
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -128,8 +130,8 @@ def test_a_second_run_under_a_live_runs_id_is_refused(tmp_path):
     finally:
         kill_group(live.pid)
     assert live.returncode == 0, err[-3000:]
-    assert (run_dir / "metrics.json").exists() and not (run_dir / LOCK).exists()
-    assert "trainer.max_epochs=3" in (run_dir / ".hydra/overrides.yaml").read_text()
+    assert (run_dir / "checkpoints/last.ckpt").exists() and not (run_dir / LOCK).exists()
+    assert "+callbacks.slow.seconds=3" in (run_dir / ".hydra/overrides.yaml").read_text()
 
 
 OUT = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
