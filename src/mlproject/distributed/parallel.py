@@ -364,11 +364,11 @@ def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
     )
 
 
-def check_same_weights(net: nn.Module, device: torch.device) -> None:
+def check_same_weights(net: nn.Module, strategy) -> None:
     """Ranks start from identical weights (FSDP keeps each rank's own slice of what it built; TP each rank's
     copy of what the plan leaves whole): per parameter a float64 sum and sum of squares, compared by one MAX
     all-reduce of them and their negatives, before anything is sharded. Parameters sharded already (DTensors) or
-    not yet materialised (meta) are left out."""
+    not yet materialised (meta: the planner's model, whose strategy has no devices) are left out."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -378,7 +378,7 @@ def check_same_weights(net: nn.Module, device: torch.device) -> None:
     if not named:
         return
     sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()]) for _, p in named])
-    both = torch.cat([sums, -sums]).to(device)  # NCCL reduces device tensors only
+    both = torch.cat([sums, -sums]).to(strategy.root_device)  # NCCL reduces device tensors only
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     differs = (both[: len(named)] != -both[len(named) :]).any(dim=1)
     if differs.any():
@@ -529,7 +529,7 @@ def parallelize(
         if dist.is_available() and dist.is_initialized():  # ddp, deepspeed: every rank reads its own batch
             set_batch_group(net, dist.group.WORLD)
         return
-    check_same_weights(net, strategy.root_device)
+    check_same_weights(net, strategy)
     meshes = strategy.meshes
     pp = meshes["pipeline"]
     if pp.size() > 1:
