@@ -209,10 +209,9 @@ def plain_runs(tmp_path_factory):
     """The README's steps with a plain module and datamodule in a folder of their own (on PYTHONPATH) and its
     configs found through hydra.searchpath; a run under each strategy, and a single-process run SIGKILLed at
     step 47 (last checkpoint: step 42, mid-epoch) and resumed with ckpt_path=auto. Returns (root, run dirs)."""
-    import os
 
     from tests.checkpoint.helpers import kill_at
-    from tests.helpers.processes import FAST, clean_env, run, together
+    from tests.helpers.processes import FAST, run, together, with_path
 
     root = tmp_path_factory.mktemp("plain")
     (root / "plain_digits.py").write_text(PLAIN)
@@ -220,7 +219,7 @@ def plain_runs(tmp_path_factory):
     (root / "configs/model").mkdir()
     (root / "configs/data/plain_digits.yaml").write_text(PLAIN_DATA_YAML)
     (root / "configs/model/plain_digits.yaml").write_text(PLAIN_MODEL_YAML)
-    env = clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    env = with_path(root)
     base = [*FAST, "trainer.max_epochs=4", f"hydra.searchpath=[file://{root}/configs]", "data=plain_digits"]
     base += ["model=plain_digits", "logger=csv", EVERY_7]
 

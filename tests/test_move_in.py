@@ -7,7 +7,6 @@ and divides it by the world size itself. Every command works with it, or says in
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,7 +18,16 @@ from omegaconf import DictConfig
 from mlproject.build import instantiate_at
 from mlproject.core.constants import CONFIG_DIR
 from tests import test_configs
-from tests.helpers.processes import FAST, PYTHON, clean_env, read_metrics, run, run_dirs, run_in_process, together
+from tests.helpers.processes import (
+    FAST,
+    PYTHON,
+    read_metrics,
+    run,
+    run_dirs,
+    run_in_process,
+    together,
+    with_path,
+)
 
 LHT = Path(__file__).parent / "fixtures/lht"
 PROJECT = [f"hydra.searchpath=[file://{LHT}/configs]", "data=digits_lht", "model=mnist"]
@@ -41,7 +49,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def env() -> dict[str, str]:
-    return clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(LHT), os.environ.get("PYTHONPATH")) if p))
+    return with_path(LHT)
 
 
 def test_a_model_config_is_built_as_hydra_builds_it_and_as_its_yaml_says(compose_cfg, user_code):

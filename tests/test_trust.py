@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from mlproject.core import rundir
 from mlproject.core.rundir import LOCK
-from tests.helpers.processes import FAST, PYTHON, clean_env, kill_group, run, run_dirs, run_in_process
+from tests.helpers.processes import FAST, PYTHON, clean_env, kill_group, run, run_dirs, run_in_process, with_path
 
 # Two steps of whichever example is the project's default (the GPT's take ~1 s each on one thread), no test stage.
 SHORT = [*FAST, "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "test=false"]
@@ -87,6 +88,7 @@ def test_refused_run_keeps_a_directory_it_did_not_create(project, tmp_path):
 
 
 def test_refused_run_removes_the_directory_it_created(tmp_path):
+    rundir.trained()  # an earlier run in this process (a notebook's, another test's) trained: not this one
     code, stderr = run_in_process("train", "trainer=cpu", "ckpt_path=typo.ckpt", "run_id=mine", log_dir=tmp_path)
     assert code == 2 and not (tmp_path / "train/runs/mine").exists()
 
@@ -153,7 +155,7 @@ def test_the_lock_of_a_dead_run_is_taken_over(tmp_path):
 def user_code(tmp_path) -> dict:
     (tmp_path / "user").mkdir()
     (tmp_path / "user/mymodel.py").write_text(USER_MODULE)
-    return clean_env(PYTHONPATH=str(tmp_path / "user"))
+    return with_path(tmp_path / "user")
 
 
 def test_a_bug_in_the_users_constructor_keeps_its_frame(tmp_path, user_code):

@@ -10,9 +10,9 @@ import pytest
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
 from mlproject.distributed.launch import check_master_port
-from tests.distributed.test_launch import TINY
 from tests.helpers.processes import clean_env, run, run_dirs
 
+DDP = ["trainer=cpu", "strategy=ddp", "trainer.devices=2"]  # refused before any rank starts: any example
 FIX = "set MASTER_PORT to a free port, or unset it to have one picked"
 
 
@@ -20,7 +20,7 @@ def test_master_port_in_use_is_refused_in_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
-        proc = run("train", *TINY, log_dir=tmp_path, env=clean_env(MASTER_PORT=str(port)), check=False, timeout=60)
+        proc = run("train", *DDP, log_dir=tmp_path, env=clean_env(MASTER_PORT=str(port)), check=False, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr == f"error: MASTER_PORT={port} cannot be listened on here (address already in use); {FIX}.\n"
     assert not run_dirs(tmp_path)
@@ -36,7 +36,7 @@ def test_port_of_a_finished_run_is_free(compose_cfg, monkeypatch):
         plain.bind(("", port))  # TIME_WAIT indeed: a bind without SO_REUSEADDR is refused
     for var in ("LOCAL_RANK", "RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
-    cfg = compose_cfg("trainer=cpu", "strategy=ddp", "trainer.devices=2")
+    cfg = compose_cfg(*DDP)
     monkeypatch.setenv("MASTER_PORT", str(port))
     check_master_port(cfg, Topology.of(cfg))  # no error
     monkeypatch.setenv("MASTER_PORT", "http")

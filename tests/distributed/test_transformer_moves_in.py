@@ -6,13 +6,12 @@ built model does."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.processes import FAST, clean_env, run, run_dirs, run_in_process, together
+from tests.helpers.processes import FAST, run, run_dirs, run_in_process, together, with_path
 
 NANOGPT = Path(__file__).parents[1] / "fixtures/nanogpt"
 PROJECT = [f"hydra.searchpath=[file://{NANOGPT}/configs]", "data=text", "data.block_size=32", "data.batch_size=8"]
@@ -28,7 +27,7 @@ def user_code(monkeypatch):
 
 
 def env() -> dict[str, str]:
-    return clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(NANOGPT), os.environ.get("PYTHONPATH")) if p))
+    return with_path(NANOGPT)
 
 
 def refusal(tmp_path, *overrides: str) -> str:

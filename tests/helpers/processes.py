@@ -56,6 +56,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def with_path(folder: Path, **extra: str) -> dict[str, str]:
+    """clean_env with a user's folder of code importable, before this suite's own PYTHONPATH (a generated project
+    that is not installed finds its package through it)."""
+    return clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p), **extra)
+
+
 def run(
     module: str,
     *overrides: str,

@@ -133,6 +133,7 @@ def unlock(run_dir: Path) -> None:
 def claim(run_dir: str | Path) -> None:
     """Before Hydra makes `run_dir`: note whether this process creates it, and lock it (the job's first process)."""
     run_dir = Path(os.path.abspath(run_dir))
+    _trained[0] = False  # a new run: an earlier one in this process (a notebook's, a test's) trained, not this one
     if not run_dir.exists():
         run_dir.mkdir(parents=True)
         _created.add(str(run_dir))
