@@ -87,6 +87,24 @@ if OTHER_DATA:  # another example's data under the default model: caught at the 
     )
 
 
+def options(group: str) -> str:
+    return "|".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
+
+
+# lightning-hydra-template's names: the ones that exist here work (trainer=gpu, callbacks=default, debug=default)
+HABITS = {
+    "trainer=ddp": "here: strategy=ddp trainer.devices=<n>",
+    "trainer=ddp_sim": "here: trainer=cpu strategy=ddp trainer.devices=2",
+    "logger=many_loggers": "here: logger=many",
+    "hparams_search=mnist_optuna": f"here: hparams_search=<{options('hparams_search')}>",
+    "experiment=example": f"here: experiment=<{options('experiment')}>",
+}
+CASES |= {
+    f"LHT's {name}": ([name], f"error: {name} is lightning-hydra-template's name; {fix}")
+    for name, fix in HABITS.items()
+}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_bad_override_gives_one_line(case, tmp_path):
     overrides, expected = CASES[case]

@@ -32,12 +32,27 @@ def one_line(exc: BaseException) -> str:
     return " ".join(ln if ln.endswith((".", ":", "?")) else ln + "." for ln in lines).replace(": .", ":")
 
 
+# lightning-hydra-template's options that are named otherwise here (docs/migrating.md); {} lists the group's own
+HABITS = {
+    "trainer/ddp": "strategy=ddp trainer.devices=<n> (the strategy is a config group of its own)",
+    "trainer/ddp_sim": "trainer=cpu strategy=ddp trainer.devices=2",
+    "trainer/mps": "trainer.accelerator=mps",
+    "logger/many_loggers": "logger=many",
+    "callbacks/rich_progress_bar": "callbacks=progress_bar (rich on a terminal, plain lines in a log)",
+    "hparams_search/mnist_optuna": "hparams_search=<{}> (the search space of each model)",
+    "experiment/example": "experiment=<{}>",
+}
+
+
 def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> ConfigError | None:
     """A misspelled group, option or key, with the closest name that exists. Hydra's own advice for an unknown
     key is `+key=value`, which adds a key nothing reads: the run then fails far away, or silently ignores it."""
     text = str(exc)
     if m := re.search(r"Could not find '(\w+)/([\w.-]+)'", text):
         group, option = m.groups()
+        if here := HABITS.get(f"{group}/{option}"):
+            options = "|".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
+            return ConfigError(f"{group}={option} is lightning-hydra-template's name; here: {here.format(options)}")
         close = difflib.get_close_matches(option, [p.stem for p in (CONFIG_DIR / group).glob("*.yaml")], n=1)
         return ConfigError(f"{one_line(exc)} Did you mean {group}={close[0]}?") if close else None
     if not (m := re.search(r"Could not override '([\w.]+)'", text)):
