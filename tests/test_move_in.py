@@ -16,8 +16,10 @@ import torch
 from omegaconf import DictConfig
 
 from mlproject.build import instantiate_at
+from mlproject.checkpoint.convert import load_full
 from mlproject.core.constants import CONFIG_DIR
 from tests import test_configs
+from tests.checkpoint.helpers import assert_bitwise, assert_same_optimizer, kill_at, run_dir
 from tests.helpers.processes import (
     FAST,
     PYTHON,
@@ -168,19 +170,48 @@ def test_eval_on_1_and_2_processes_and_export_agree_on_a_split_only_the_datamodu
         assert (net(x).argmax(1) == y).float().mean().item() == pytest.approx(one["test/acc"], abs=1e-6)
 
 
+def assert_trains_and_tests(log_dir: Path, layouts: dict[str, list[str]], *also) -> None:
+    """Each layout fits, then tests the best checkpoint, as the project is written (beside `also`, run together)."""
+    base = [*FAST, *PROJECT, "logger=csv"]
+    train = [lambda n=n: run("train", *base, *layouts[n], f"run_id={n}", log_dir=log_dir, env=env()) for n in layouts]
+    together(*train, *also)
+    for name in layouts:
+        metrics = read_metrics(log_dir / "train/runs" / name)
+        assert metrics["test/acc"] >= 0.8 and metrics["val/acc_best"] >= metrics["val/acc"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_it_trains_and_tests_under_single_and_fsdp(tmp_path):
-    """Fit, then test the best checkpoint, as written: under fsdp the datamodule's hyperparameters (a list) are
-    in the sharded checkpoint, read back with weights_only=True."""
-    base = [*FAST, *PROJECT, "logger=csv"]
-    layouts = {"single": ["strategy=single"], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}
-    together(
-        *(lambda n=n: run("train", *base, *layouts[n], f"run_id={n}", log_dir=tmp_path, env=env()) for n in layouts)
-    )
-    for name in layouts:
-        metrics = read_metrics(tmp_path / "train/runs" / name)
-        assert metrics["test/acc"] >= 0.8 and metrics["val/acc_best"] >= metrics["val/acc"]
+def test_it_trains_under_single_ddp_and_fsdp_and_resumes_a_killed_run_bitwise(tmp_path):
+    """Under fsdp the datamodule's hyperparameters (a list) are in the sharded checkpoint, read back with
+    weights_only=True. A run SIGKILLed 3 steps into its second epoch (11 steps each; its last checkpoint: step
+    12) and resumed with ckpt_path=auto ends with the uninterrupted run's weights and optimizer state, bitwise:
+    the user's DataLoader (shuffle=True) reads the same batches from the middle of the epoch."""
+    setup = [*FAST, *PROJECT, "test=false", "callbacks.last_checkpoint.every_n_train_steps=3", "ckpt_path=auto"]
+    resumes = tmp_path / "resumes"
+
+    def straight():
+        run("train", *setup, "run_id=straight", log_dir=resumes, env=env())
+
+    def killed_and_resumed():
+        killed = run("train", *setup, "run_id=killed", *kill_at(14), log_dir=resumes, env=env(), check=False)
+        assert killed.returncode != 0 and (resumes / "train/runs/killed/checkpoints/last.ckpt").exists()
+        run("train", *setup, "run_id=killed", log_dir=resumes, env=env())
+
+    layouts = {"single": ["strategy=single"], "ddp": ["strategy=ddp", "trainer.devices=2"]}
+    layouts["fsdp"] = ["strategy=fsdp", "trainer.devices=2"]
+    assert_trains_and_tests(tmp_path, layouts, straight, killed_and_resumed)
+    ends = [load_full(run_dir(resumes, r) / "checkpoints/last.ckpt") for r in ("straight", "killed")]
+    assert ends[0]["global_step"] == ends[1]["global_step"] == 22
+    assert_bitwise(ends[0]["state_dict"], ends[1]["state_dict"])
+    assert_same_optimizer(ends[0]["optimizer_states"][0], ends[1]["optimizer_states"][0], tol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_it_trains_under_deepspeed_stage_2(tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (pip install -e '.[deepspeed]')")
+    assert_trains_and_tests(tmp_path, {"zero2": ["strategy=deepspeed_stage_2", "trainer.devices=2"]})
 
 
 def test_a_sampler_of_the_users_own_is_kept_and_split_over_the_ranks(caplog):

@@ -49,6 +49,15 @@ def test_augmentation_is_seeded_by_seed_epoch_and_batch_only():
     assert not torch.equal(a[0][0], a[1][0])  # samples of a batch draw on from one stream
 
 
+def test_without_seed_batches_augmentation_draws_from_the_callers_streams():
+    """seed_batches=false (the default): a batch is read as the dataset reads it, under the process's RNGs."""
+    data = Seeded(Noisy(), seed=7, streams=False)
+    torch.manual_seed(0)
+    got = data.__getitems__([(2, 1), (5, 1)])
+    torch.manual_seed(0)
+    assert all(torch.equal(x, Noisy()[i][0]) for (x, _), i in zip(got, (2, 5), strict=True))
+
+
 def test_a_batch_of_tensors_is_read_in_one_gather_as_sample_by_sample():
     """Seeded reads a TensorDataset, or Subsets of one, a batch at a time (__getitems__, which the DataLoader
     calls): the same samples as the dataset's own __getitem__, epoch keys included."""

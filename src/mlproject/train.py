@@ -36,7 +36,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         L.seed_everything(cfg.seed, workers=True)
 
     # 2. build: data, model, callbacks, loggers, trainer
-    datamodule = with_template_samplers(instantiate_at(cfg, "data"))  # exact batches on any world size
+    # exact batches on any world size; with seed_batches, random augmentation resumed exactly too
+    datamodule = with_template_samplers(instantiate_at(cfg, "data"), cfg.seed_batches)
     model = instantiate_at(cfg, "model")  # as Hydra builds it: nested _target_s too, unless the yaml says otherwise
     callbacks = instantiate_all(cfg, "callbacks")
     # + a check that monitors agree across ranks, RNG states and config in checkpoints; checkpoints of any

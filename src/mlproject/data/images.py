@@ -3,8 +3,9 @@
 Pillow decodes and resizes, torch ops augment: torchvision would be the usual choice, but its wheels are
 built against one torch build each, and PyPI's does not import beside every torch this template pins
 (CPU or CUDA builds). Training samples get a random crop of the zero-padded image and, if asked, a
-horizontal flip, drawn from streams seeded by (seed, epoch, batch) in whichever worker loads them
-(training/loaders.py), so a run resumed mid-epoch with workers sees the same augmented images.
+horizontal flip, drawn from the process's random streams; with `seed_batches=true`, from streams seeded by
+(seed, epoch, batch) in whichever worker loads them (training/loaders.py), so that a run resumed mid-epoch with
+workers sees the same augmented images.
 
 `source: digits` makes `prepare_data` write scikit-learn's 1,797 digits into `dir` as 8x8 grayscale PNGs
 (once per node, like data=tokens): the digits example on image files, with nothing to download.

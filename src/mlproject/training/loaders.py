@@ -3,7 +3,8 @@
 `with_template_samplers(datamodule)` wraps its four `*_dataloader` hooks: each DataLoader they return over a
 map-style dataset is made anew with the same dataset, collate function and worker settings, and:
 - training: a StatefulDataLoader with TrainSampler: the same global batches on any world size, the position
-  saved in every checkpoint, a run stopped mid-epoch resumed exactly;
+  saved in every checkpoint, a run stopped mid-epoch resumed exactly (random augmentation too, with
+  `seed_batches`: each batch read under random streams of its own, Seeded);
 - evaluation: EvalBatches: every sample counted once on any world size, and no padded slot, ever.
 Loaders over an IterableDataset, and anything that is not a DataLoader, pass through unchanged. A sampler of the
 user's own (not Random/SequentialSampler) is kept, split over the data-parallel ranks as Lightning splits it.
@@ -55,18 +56,20 @@ def sample_rng(*key: int):
 
 
 class Seeded(Dataset):
-    """The user's dataset read a batch at a time, inside random streams seeded by (seed, epoch, batch).
+    """The user's dataset read a batch at a time; with `streams`, inside random streams seeded by (seed, epoch,
+    batch).
 
     The sampler gives `i` or `(i, epoch)`; a batch is named by its epoch and its first sample (a rank reads
-    each sample at most once an epoch). Random augmentation is then the same whichever worker, or the main
-    process, loads the batch, so a run resumed mid-epoch with workers draws what the straight run drew, and
-    loading never moves the training RNG (the streams are restored after each batch). Seeding costs ~100 us
-    a batch, whatever the dataset. A TensorDataset (or a Subset of one) draws no random numbers: it is read
-    with one gather per tensor, where reading it a sample at a time costs ~3 us a sample.
+    each sample at most once an epoch). With `streams`, random augmentation is the same whichever worker, or the
+    main process, loads the batch, so a run resumed mid-epoch with workers draws what the straight run drew, and
+    loading never moves the training RNG (the streams are restored after each batch); it costs ~100 us a batch.
+    Without (the default: a user's augmentation draws from the process's RNGs as it would under Lightning alone),
+    the batch is read as it is. A TensorDataset (or a Subset of one) draws no random numbers: it is read with one
+    gather per tensor, where reading it a sample at a time costs ~3 us a sample.
     """
 
-    def __init__(self, dataset: Dataset, seed: int = 0):
-        self.dataset, self.seed = dataset, seed
+    def __init__(self, dataset: Dataset, seed: int = 0, streams: bool = True):
+        self.dataset, self.seed, self.streams = dataset, seed, streams
         self.tensors, self.rows = tensor_rows(dataset)
 
     def __len__(self) -> int:
@@ -82,7 +85,7 @@ class Seeded(Dataset):
             rows = torch.tensor(index) if self.rows is None else self.rows[index]
             return list(zip(*(t[rows].unbind(0) for t in self.tensors), strict=True))
         epoch = keys[0][1] if isinstance(keys[0], tuple) else 0
-        with sample_rng(self.seed, epoch, index[0]):
+        with sample_rng(self.seed, epoch, index[0]) if self.streams else contextlib.nullcontext():
             if hasattr(self.dataset, "__getitems__"):
                 return self.dataset.__getitems__(index)
             return [self.dataset[i] for i in index]
@@ -176,7 +179,7 @@ def data_parallel(trainer) -> tuple[int, int]:
     return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
 
-def with_samplers(loader, train: bool, trainer):
+def with_samplers(loader, train: bool, trainer, seed_batches: bool = False):
     """`loader` made anew with the template's sampler (see the module's docstring)."""
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, (IterableDataset, Seeded)):
         return loader  # Seeded: made here already (a predict_dataloader that returns test_dataloader())
@@ -201,7 +204,7 @@ def with_samplers(loader, train: bool, trainer):
     }
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
         return with_own_sampler(loader, train, world, rank, kwargs)
-    dataset = Seeded(loader.dataset, seed)
+    dataset = Seeded(loader.dataset, seed, streams=seed_batches)
     if not train:
         return DataLoader(dataset, batch_sampler=EvalBatches(len(dataset), loader.batch_size, world, rank), **kwargs)
     if trainer is not None and trainer.overfit_batches:  # the first batches again and again, as Lightning does it
@@ -243,20 +246,22 @@ class WithSamplers:
     so that the datamodule still pickles (ddp_spawn sends it to its processes); `__wrapped__` is the class's
     hook, where Lightning's `is_overridden` looks."""
 
-    def __init__(self, datamodule, name: str):
-        self.datamodule, self.name = datamodule, name
+    def __init__(self, datamodule, name: str, seed_batches: bool):
+        self.datamodule, self.name, self.seed_batches = datamodule, name, seed_batches
         self.__wrapped__ = getattr(type(datamodule), name)
 
     def __call__(self):
         loaders = self.__wrapped__(self.datamodule)
         train = self.name == "train_dataloader"
-        return apply_to_collection(loaders, DataLoader, with_samplers, train, self.datamodule.trainer)
+        return apply_to_collection(
+            loaders, DataLoader, with_samplers, train, self.datamodule.trainer, self.seed_batches
+        )
 
 
-def with_template_samplers(datamodule):
+def with_template_samplers(datamodule, seed_batches: bool = False):
     """The datamodule, its `*_dataloader` hooks wrapped by `with_samplers` (on the instance: every other hook,
     attribute and state is the user's own, and Lightning's `is_overridden` still sees the user's methods)."""
     for name in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"):
         if not isinstance(getattr(datamodule, name), WithSamplers):
-            setattr(datamodule, name, WithSamplers(datamodule, name))
+            setattr(datamodule, name, WithSamplers(datamodule, name, seed_batches))
     return datamodule
