@@ -25,8 +25,15 @@ from pathlib import Path
 # Not walked outside git: version control, environments, run outputs, caches, the old install's metadata.
 SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "logs", "outputs", "multirun", "wandb", "__pycache__"}
 SKIP_SUFFIXES = (".egg-info", "_cache")
-# The template's own starter machinery: meaningless in a project made from it.
-TEMPLATE_ONLY = ("copier.yml", ".copier-answers.yml.jinja", "starters", "tests/test_starter.py")
+# The template's own starter machinery, meaningless in a project made from it, and its development log of
+# measurements (benchmarks/README.md, how to measure, goes along).
+TEMPLATE_ONLY = (
+    "copier.yml",
+    ".copier-answers.yml.jinja",
+    "starters",
+    "tests/test_starter.py",
+    "benchmarks/RESULTS.md",
+)
 # copier's record of the template's address and version: renaming in it would break `copier update`.
 ANSWERS_FILE = ".copier-answers.yml"
 # Markdown between these lines is about the template itself (e.g. how to start a project from it).

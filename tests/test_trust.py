@@ -44,6 +44,12 @@ class Narrow(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Images(L.LightningDataModule):  # 8x8 images, whichever examples the project keeps
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(128, 8, 8), torch.randint(0, 10, (128,)))
+        return torch.utils.data.DataLoader(data, batch_size=64, shuffle=True)
 """
 
 
@@ -173,7 +179,7 @@ def test_a_bug_in_the_users_constructor_keeps_its_frame(tmp_path, user_code):
 
 
 def test_a_shape_error_at_the_first_batch_names_the_layer_and_both_shapes(tmp_path, user_code):
-    model = ["~model", "+model={_target_: mymodel.Narrow}"]
+    model = ["~model", "+model={_target_: mymodel.Narrow}", "~data", "+data={_target_: mymodel.Images}"]
     proc = run("train", *model, *SHORT, log_dir=tmp_path, env=user_code, check=False)
     assert proc.returncode == 2
     (line,) = error_lines(proc.stderr)

@@ -15,6 +15,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from mlproject.core.errors import ConfigError, root_cause, user_frame
+from mlproject.distributed.strategies import without_plan
 
 ABSENT = object()  # a key a config does not set
 
@@ -158,8 +159,10 @@ def config_mistake(cfg: DictConfig, key: str, exc: InstantiationException) -> bo
 def instantiate_at(cfg: DictConfig, key: str, **kwargs):
     """`instantiate(cfg.<key>)`; a wrong `_target_` or argument is a ConfigError naming key, file and name. An
     exception the constructor itself raised is the user's bug, not the config's: it propagates with its frame."""
+    node = OmegaConf.select(cfg, key)
+    node = without_plan(node) if key == "model" else node  # the plan is the strategy's, not the module's
     try:
-        return instantiate(OmegaConf.select(cfg, key), **kwargs)
+        return instantiate(node, **kwargs)
     except InstantiationException as exc:
         if not config_mistake(cfg, key, exc):
             raise root_cause(exc) from None

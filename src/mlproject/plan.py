@@ -84,8 +84,9 @@ def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, in
     import torch
     from hydra.utils import instantiate
     from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from mlproject.distributed.parallel import local_bytes, named_meshes
+    from mlproject.distributed.parallel import configure_then_shard, local_bytes, named_meshes
 
     model, gathered = meta_model(cfg), 0
     if topology.model_parallel:
@@ -96,7 +97,7 @@ def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, in
         if precision.endswith("-mixed"):  # what fsdp_settings reads (Lightning's plugin for this precision)
             strategy.precision_plugin = MixedPrecision(precision, "cpu")
         model.trainer = SimpleNamespace(strategy=strategy)
-        model.configure_model()
+        configure_then_shard(model, model.configure_model if is_overridden("configure_model", model) else None)
         gathered = gathered_bytes(model, strategy.fsdp_settings)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:

@@ -6,6 +6,7 @@ built model does."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -115,10 +116,16 @@ def runs(tmp_path_factory) -> dict:
     plans = {
         "single": ["model=nanogpt", "trainer.val_check_interval=3", "trainer.limit_val_batches=2"]
         + ["trainer.limit_test_batches=2"],
-        "empty_hook": ["model=nanogpt", "model._target_=mygpt.lit.EmptyHookLitGPT", *QUICK, *SHARDED],
+        "empty_hook": [
+            *("model=nanogpt", "model._target_=mygpt.lit.EmptyHookLitGPT", *QUICK, *SHARDED),
+            "+callbacks.steps.checkpoint=true",  # last.ckpt: a sharded checkpoint to export
+        ],
         "lazy_single": ["model=nanogpt_lazy", *QUICK],
         "lazy": ["model=nanogpt_lazy", *QUICK, *SHARDED],
         "outside": ["model=nanogpt", "model._target_=mygpt.lit.ScaledLitGPT", *QUICK, *SHARDED],
+        # the plan from config alone (the module takes no `parallel`), clipped by the strategy (gradient_clip_val 1)
+        "tp": ["model=nanogpt", MLP_PLAN, *QUICK, "strategy=tp", "trainer.devices=2"],
+        "fsdp_tp": ["model=nanogpt", MLP_PLAN, *QUICK, "strategy=fsdp_tp", "trainer.devices=4"],
     }
     root = tmp_path_factory.mktemp("moves_in")
 
@@ -132,12 +139,16 @@ def runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "reference"), [("empty_hook", "single"), ("lazy", "lazy_single")])
-def test_a_module_with_its_own_configure_model_is_sharded_and_trains_as_one_process(runs, name, reference):
+@pytest.mark.parametrize(
+    ("name", "reference"), [("empty_hook", "single"), ("lazy", "lazy_single"), ("tp", "single"), ("fsdp_tp", "single")]
+)
+def test_the_module_is_sharded_by_its_plan_or_whole_and_trains_as_one_process(runs, name, reference):
     """An empty configure_model, or one that builds the network (Lightning's lazy-build hook), used to leave the
-    network whole under fsdp: each rank trained its own copy, unsynced. The strategy now shards it after the hook:
-    every step's global loss within 2e-6 relative and every final parameter within 5e-6 of one process (the
-    strategy-equivalence tolerances of docs/model-parallel.md), and the ranks started from the same weights."""
+    network whole under fsdp: each rank trained its own copy, unsynced. The strategy now shards it after the hook;
+    under tp and fsdp_tp it splits the MLP of each block by the plan in the config, which the module never sees,
+    and clips the gradients that mix DTensors and plain tensors. Every step's global loss within 2e-6 relative and
+    every final parameter within 5e-6 of one process (the strategy-equivalence tolerances of
+    docs/model-parallel.md), and the ranks started from the same weights."""
     got, ref = runs[name], runs[reference]
     assert got["proc"].returncode == 0, got["proc"].stderr[-3000:]
     assert len(got["losses"]) == len(ref["losses"]) == 6
@@ -180,3 +191,23 @@ def test_a_module_that_logs_only_losses_keeps_its_best_checkpoint_by_val_loss(ru
     (score,) = [v["best_model_score"] for k, v in state.items() if k.startswith("ModelCheckpoint")]
     assert float(score) == pytest.approx(min(val), rel=1e-6)
     assert f"testing {best}" in out
+
+
+@pytest.mark.slow
+def test_the_fsdp_checkpoint_exports_the_tied_weight_once_and_loads_into_the_bare_network(runs, tmp_path):
+    """The export holds nanoGPT's own keys, wte tied to lm_head stored once, and loads with strict=True into the
+    network built from the exported config alone: the weights the run ended with."""
+    import hydra
+
+    from tests.helpers.processes import PYTHON
+
+    out = tmp_path / "gpt.pt"
+    export = [PYTHON, "-m", "mlproject.export", f"ckpt_path={runs['empty_hook']['run_dir'] / 'last.ckpt'}"]
+    subprocess.run([*export, f"out={out}"], cwd=tmp_path, env=env(), check=True, capture_output=True, timeout=240)
+    exported = torch.load(out, weights_only=True)
+    weights = exported["state_dict"]
+    assert weights["transformer.wte.weight"].data_ptr() == weights["lm_head.weight"].data_ptr()
+    net = hydra.utils.instantiate(exported["config"]["model"]["net"])
+    net.load_state_dict(weights, strict=True)
+    final = {k.removeprefix("net."): v for k, v in runs["empty_hook"]["state"].items()}
+    assert all(torch.equal(v, final[k]) for k, v in net.state_dict().items())

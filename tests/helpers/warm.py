@@ -35,8 +35,9 @@ import threading
 import traceback
 from pathlib import Path
 
-# Environment read at import (thread pools, module search path, hashing) or cached at the first CUDA query (the
-# visible GPUs, where there are any: gpu()): a request that differs here from the server's is run cold.
+# Environment read at import (thread pools, module search path, hashing, torch's logging and debug levels) or
+# cached at the first CUDA query (the visible GPUs, where there are any: gpu()): a request that differs here from
+# the server's is run cold (e.g. the ranks of a debug=distributed run, which set TORCH_DISTRIBUTED_DEBUG).
 BOUND_AT_IMPORT = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
@@ -45,6 +46,10 @@ BOUND_AT_IMPORT = (
     "PYTHONWARNINGS",
     "CUDA_VISIBLE_DEVICES",
     "TORCHINDUCTOR_COMPILE_THREADS",
+    "TORCH_LOGS",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_CPP_LOG_LEVEL",
 )
 WARM_MODULES = ("mlproject.", "torch.distributed.run")  # `-m` targets run warm; scripts under tests/ too
 IMPORTS = (  # what a run imports anyway, in the order a run does (s3fs: Lightning's object-storage check)
@@ -212,6 +217,11 @@ def serve(path: str, stand_in: str) -> dict:
                     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                     request = json.loads(data)
                 except (OSError, ValueError):
+                    conn.close()
+                    continue
+                if len(os.listdir("/proc/self/task")) > 1:  # a thread's locks would be copied mid-use: no fork,
+                    for fd in fds:  # the stand-in reads no pid and runs cold
+                        os.close(fd)
                     conn.close()
                     continue
                 sys.stdout.flush()

@@ -1,6 +1,7 @@
-"""Training throughput in the loggers and the progress output: perf/samples_per_sec, perf/tokens_per_sec
-(models of token sequences), perf/mfu (model FLOPs utilisation, where the GPU's peak is known) and, under
-pipeline parallelism, perf/pipeline_bubble (the share of a step a rank idles in its schedule's ideal timing).
+"""Training throughput in the loggers and the progress output: perf/samples_per_sec (perf/steps_per_sec where
+the global batch is unknown), perf/tokens_per_sec (models of token sequences), perf/mfu (model FLOPs
+utilisation, where the GPU's peak is known) and, under pipeline parallelism, perf/pipeline_bubble (the share of
+a step a rank idles in its schedule's ideal timing).
 
 Measured over each interval of `trainer.log_every_n_steps` optimizer steps, at the steps Lightning logs at.
 Lightning's ThroughputMonitor synchronizes the GPU at every step for its clock (and its peak table lists
@@ -34,13 +35,14 @@ def peak_flops(device_name: str) -> float | None:
 
 
 class Throughput(Callback):
-    """`samples_per_step`: the global batch (all data-parallel ranks and accumulation steps);
+    """`samples_per_step`: the global batch (all data-parallel ranks and accumulation steps), or null where the
+    datamodule's config has none (a plain LightningDataModule keeps its batch size to itself): steps/s only;
     `tokens_per_sample`: the sequence length, or null for data that are not token sequences. MFU needs
     the module's `flops_per_token` (training FLOPs, forward and backward; a method or a value) and a bf16 run on a
     GPU listed in PEAK_BF16_FLOPS. It is read in `setup`, before configure_model: a pipeline stage holds only its
     own layers afterwards (a later stage has no embedding to count)."""
 
-    def __init__(self, samples_per_step: int, tokens_per_sample: int | None = None):
+    def __init__(self, samples_per_step: int | None, tokens_per_sample: int | None = None):
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
         self.peak: float | None = None
         self.flops_per_token: int | None = None
@@ -68,9 +70,13 @@ class Throughput(Callback):
             torch.cuda.synchronize()  # the clock must see the queued steps end
         now = time.perf_counter()
         if self._start is not None:  # the first interval starts here: it would include the start-up
-            samples = self.samples_per_step * (step - self._start[0]) / (now - self._start[1])
-            metrics = {"perf/samples_per_sec": samples}
-            if self.tokens_per_sample:
+            steps = (step - self._start[0]) / (now - self._start[1])
+            if self.samples_per_step is None:
+                metrics = {"perf/steps_per_sec": steps}
+            else:
+                samples = self.samples_per_step * steps
+                metrics = {"perf/samples_per_sec": samples}
+            if self.tokens_per_sample and self.samples_per_step is not None:
                 tokens = metrics["perf/tokens_per_sec"] = samples * self.tokens_per_sample
                 if self.flops_per_token and self.peak:
                     metrics["perf/mfu"] = self.flops_per_token * tokens / (self.peak * trainer.world_size)

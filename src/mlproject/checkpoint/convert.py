@@ -335,8 +335,22 @@ def export(ckpt_path: str | Path, out: str | Path, module: str = "net", ema: boo
     if str(out).endswith(".safetensors"):
         _save_safetensors(state_dict, config, tmp)
     else:
-        torch.save({"state_dict": state_dict, "config": config}, tmp)
+        torch.save({"state_dict": shared_once(state_dict), "config": config}, tmp)
     os.replace(tmp, out)
+
+
+def shared_once(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys whose tensors are equal (shape, dtype, every value) share one tensor, which torch.save writes once: a
+    sharded checkpoint holds a tied weight (nanoGPT's wte and lm_head) as two copies. Loading is unchanged:
+    load_state_dict copies a tensor into each parameter named by its keys."""
+    kept: dict[tuple, list[torch.Tensor]] = {}
+    out = {}
+    for key, value in state_dict.items():
+        like = kept.setdefault((value.shape, value.dtype, value.sum().item()), [])
+        out[key] = next((t for t in like if torch.equal(t, value)), value)
+        if out[key] is value:
+            like.append(value)
+    return out
 
 
 def _save_safetensors(state_dict: dict[str, torch.Tensor], config: dict[str, Any], path: str) -> None:

@@ -54,9 +54,10 @@ def named_meshes(topology, device_type: str) -> dict:
 
 
 class ModelParallel(ModelParallelStrategy):
-    """Lightning's strategy on our named mesh, plus our FSDP settings, which `parallelize` applies in
-    configure_model. `fsdp=None` means no sharding (pure tensor parallelism: every process is in the one TP
-    group). Degrees are plain integers; the shard size is what the others leave of the world."""
+    """Lightning's strategy on our named mesh, plus our FSDP settings and the model's plan (model.parallel), which
+    `parallelize` applies after the module's configure_model, and clipping of DTensor gradients (clip_gradients).
+    `fsdp=None` means no sharding (pure tensor parallelism: every process is in the one TP group). Degrees are
+    plain integers; the shard size is what the others leave of the world."""
 
     def __init__(
         self,
@@ -66,11 +67,13 @@ class ModelParallel(ModelParallelStrategy):
         expert_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         pipeline: dict | None = None,
+        plan: dict | None = None,
         **kwargs,
     ):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.fsdp, self.replicate_size, self.expert_parallel_size = fsdp, replicate_size, expert_parallel_size
         self.pipeline_parallel_size, self.pipeline = pipeline_parallel_size, dict(pipeline or {})
+        self.plan = dict(plan or {})  # the model's (model.parallel): which layers each dimension splits
         self.meshes: dict = {}
 
     @property
@@ -311,6 +314,8 @@ class ModelParallel(ModelParallelStrategy):
             # empty hook, is sharded like any plain module's; what the module parallelized itself is left as it is.
             own = module.configure_model if is_overridden("configure_model", module) else None
             module.configure_model = functools.partial(configure_then_shard, module, own)
+            if not is_overridden("configure_gradient_clipping", module):
+                module.configure_gradient_clipping = functools.partial(clip_gradients, module)
         # SyncBatchNorm before configure_model shards the model: the conversion builds new modules (torch's on GPU,
         # ours on CPU alike), and after fully_shard they would hold the sharded weights while FSDP gathers into the
         # old ones. Lightning's ModelParallelStrategy skips its layer sync, so sync_batchnorm would be ignored.
@@ -496,19 +501,11 @@ def shard(
         apply_fsdp(net, meshes["fsdp"], blocks, **settings, experts=list(experts), expert_mesh=expert_mesh)
 
 
-def parallelize(
-    pl_module,
-    net: nn.Module,
-    blocks=(),
-    colwise=(),
-    rowwise=(),
-    experts=(),
-    compile: bool = False,
-    pipeline: dict | None = None,
-    loss_fn=None,
-) -> None:
-    """The one call a LightningModule's configure_model makes: `shard` with the strategy's meshes and settings
-    (a model without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile
+def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, **plan) -> None:
+    """What the strategy applies to each submodule a LightningModule leaves unsharded after its configure_model
+    (configure_then_shard), and what a configure_model may call itself: `shard` with the strategy's meshes,
+    settings and plan (model.parallel: blocks, colwise, rowwise, experts, pipeline; `plan` here replaces it; a
+    model without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile
     (of the whole network). Modules with a `batch_group` attribute (statistics over the global batch, e.g. an
     MoE router's load) get the data-parallel process group. With a pipeline dimension, the network is first
     split into this rank's stages by the plan's `pipeline` entry (layers, first, last; distributed/pipeline.py),
@@ -532,6 +529,8 @@ def parallelize(
             set_batch_group(net, dist.group.WORLD)
         return
     check_same_weights(net, strategy)
+    plan = plan or strategy.plan
+    blocks, colwise, rowwise, experts = (plan.get(k) or () for k in ("blocks", "colwise", "rowwise", "experts"))
     meshes = strategy.meshes
     pp = meshes["pipeline"]
     if pp.size() > 1:
@@ -539,7 +538,7 @@ def parallelize(
 
         schedule, microbatches = strategy.pipeline["schedule"], strategy.pipeline["microbatches"]
         order = {name: i for i, (name, _) in enumerate(pl_module.named_parameters())}  # before the split
-        views = split(net, pp.get_local_rank(), pp.size(), schedule, **pipeline)
+        views = split(net, pp.get_local_rank(), pp.size(), schedule, **plan["pipeline"])
         for view in views.values():
             shard(view, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
         pl_module.pipeline = Pipeline(views, pp, schedule, microbatches, loss_fn, order)
@@ -564,6 +563,16 @@ def configure_then_shard(pl_module, own) -> None:
         params = list(child.parameters())
         if params and not any(isinstance(p, DTensor) for p in params):
             parallelize(pl_module, child)
+
+
+def clip_gradients(pl_module, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+    """Lightning's configure_gradient_clipping, but by norm with clip_grad_norm_ below: torch's clip fails on
+    gradients that mix plain tensors and DTensors (tensor parallelism leaves embeddings and norms whole) or
+    DTensors on several meshes (experts)."""
+    if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+        clip_grad_norm_(pl_module.parameters(), gradient_clip_val, pl_module.trainer.strategy.pipeline_parallel_size)
+    else:
+        pl_module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
 def set_batch_group(net: nn.Module, group) -> None:

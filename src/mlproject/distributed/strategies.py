@@ -217,12 +217,18 @@ def check_plan(cfg: DictConfig, topology: Topology) -> None:
 
 
 def without_plan(model: DictConfig) -> DictConfig:
-    """The model config as its module takes it: `parallel` is the template's, unless the module asks for it."""
+    """The model config as its module takes it: `parallel` is the strategy's (ModelParallel applies it after the
+    module's configure_model), unless the module asks for it."""
     import inspect
 
     from hydra.utils import get_class
 
-    params = inspect.signature(get_class(model._target_)).parameters
+    if "parallel" not in model:
+        return model
+    try:
+        params = inspect.signature(get_class(model._target_)).parameters
+    except Exception:  # noqa: BLE001 (a _target_ that does not import: instantiate reports it in its one line)
+        return model
     if "parallel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return model
     model = model.copy()  # keeps its parent: interpolations still resolve

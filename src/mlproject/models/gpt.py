@@ -1,10 +1,11 @@
 """The LightningModule for next-token prediction with the GPT of models/components/gpt.py.
 
-Like the Classifier it takes plain dicts. `parallel` says how strategy=fsdp|hsdp|tp|fsdp_tp split the
-network (see distributed/parallel.py); `compile` compiles the network (never this module), per block
-where it is sharded. With mixture-of-experts MLPs (model=gpt_moe), `aux_loss_weights` weighs the routers'
-auxiliary losses (summed over layers) into the training loss, and each expert's share of the routed tokens
-is logged per layer (train/moe/load/layer<i>/expert<e>, over the global batch).
+Like the Classifier it takes plain dicts. The config's `parallel` plan, which says how strategy=fsdp|hsdp|tp|
+fsdp_tp|pp split the network, goes to the strategy, not here (distributed/parallel.py); `compile` compiles the
+network (never this module), per block where it is sharded. With mixture-of-experts MLPs (model=gpt_moe),
+`aux_loss_weights` weighs the routers' auxiliary losses (summed over layers) into the training loss, and each
+expert's share of the routed tokens is logged per layer (train/moe/load/layer<i>/expert<e>, over the global
+batch).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from mlproject.core.constants import IGNORE_INDEX
-from mlproject.distributed.parallel import ModelParallel, clip_grad_norm_, parallelize
+from mlproject.distributed.parallel import parallelize
 from mlproject.distributed.pipeline import Pipeline
 from mlproject.training.optim import configure
 
@@ -47,7 +48,6 @@ class GPTModule(L.LightningModule):
         net: dict,
         optimizer: dict,
         scheduler: dict,
-        parallel: dict,
         compile: bool = False,
         aux_loss_weights: dict | None = None,
     ):
@@ -62,7 +62,7 @@ class GPTModule(L.LightningModule):
         return self.net.flops_per_token()
 
     def configure_model(self):
-        parallelize(self, self.net, **self.hparams.parallel, compile=self.hparams.compile, loss_fn=next_token_loss)
+        parallelize(self, self.net, compile=self.hparams.compile, loss_fn=next_token_loss)  # by model.parallel
 
     def forward(self, x):
         return self.net(x)
@@ -129,15 +129,6 @@ class GPTModule(L.LightningModule):
 
     def test_step(self, batch, batch_idx):
         self._evaluate(batch, "test", self.test_metrics)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        # tensor parallelism mixes DTensor and plain gradients, which torch's clip cannot; DeepSpeed (its
-        # gradients live in its own partitions) and the rest clip the usual way
-        parallel = isinstance(self.trainer.strategy, ModelParallel)
-        if parallel and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            clip_grad_norm_(self.parameters(), gradient_clip_val, self.trainer.strategy.pipeline_parallel_size)
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         return configure(self, self.hparams.optimizer, self.hparams.scheduler)
