@@ -202,9 +202,11 @@ def lightning_worker(epochs: int, steps: int, overrides: list[str], out: str) ->
     import torch
     from hydra.utils import instantiate
 
+    from mlproject.build import instantiate_at
+
     cfg = config(overrides)
     torch.manual_seed(42)
-    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    model = instantiate_at(cfg, "model")  # as train builds it (the plan is the strategy's)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

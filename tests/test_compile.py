@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
+from mlproject.build import instantiate_at
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.distributed.parallel import apply_compile
 from tests.helpers.gpt import TINY_GPT
@@ -77,14 +77,13 @@ def test_compiled_checkpoint_loads_uncompiled(runs, compose_cfg):
     (path,) = runs["single"]["ckpt"].glob("*.ckpt")
     state = torch.load(path, weights_only=False)["state_dict"]
     assert not [k for k in state if "_orig_mod" in k]
-    model = instantiate(compose_cfg(*TINY).model, _recursive_=False)
+    model = instantiate_at(compose_cfg(*TINY), "model")
     model.load_state_dict(state)  # strict: every key matches the eager module's
 
 
 def test_compiling_keeps_module_keys(compose_cfg):
     cfg = compose_cfg("model=gpt", "model.net.n_layer=1", "model.net.n_embd=16")
-    eager = instantiate(cfg.model, _recursive_=False)
-    compiled = instantiate(cfg.model, _recursive_=False)
+    eager, compiled = instantiate_at(cfg, "model"), instantiate_at(cfg, "model")
     apply_compile(compiled.net, list(cfg.model.parallel.blocks))
     apply_compile(compiled.net)
     assert compiled.state_dict().keys() == eager.state_dict().keys()

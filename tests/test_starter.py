@@ -302,13 +302,14 @@ def test_every_subset_describes_what_it_keeps(subset_project):
 
 def move_in_lht(root: Path, package: str) -> None:
     """A lightning-hydra-template project's model, data and configs moved into a generated project file by file,
-    as docs/migrating.md says (the one edit: `_target_: src.` names the project's package)."""
+    as docs/migrating.md says (the one edit: `_target_: src.` names the project's package). Its options get names
+    of their own: test_move_in.py, where kept, finds the fixture's under the fixture's names."""
     lht = PROJECT_ROOT / "tests/fixtures/lht"
     for rel in ("models/mnist_module.py", "models/components/simple_dense_net.py", "data/digits_datamodule.py"):
         shutil.copy2(lht / "src" / rel, root / "src" / package / rel)
-    for rel in ("model/mnist.yaml", "data/digits_lht.yaml"):
+    for rel, option in (("model/mnist.yaml", "model/moved_in.yaml"), ("data/digits_lht.yaml", "data/moved_in.yaml")):
         text = (lht / "configs" / rel).read_text().replace("_target_: src.", f"_target_: {package}.")
-        (root / "configs" / rel).write_text(text)
+        (root / "configs" / option).write_text(text)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torchmetrics.functional.classification import multiclass_accuracy
 
+from mlproject.build import instantiate_at
 from mlproject.core.constants import CONFIG_DIR, IGNORE_INDEX
 from mlproject.core.resolvers import register_resolvers
 from mlproject.training.loaders import with_template_samplers
@@ -44,7 +45,7 @@ def main(out: str, *overrides: str) -> None:
         cfg = compose("train", [f"paths.output_dir={out}", "trainer.accelerator=cpu", *overrides])
     L.seed_everything(0)
     datamodule = with_template_samplers(instantiate(cfg.data))
-    model = instantiate(cfg.model, _convert_="all", _recursive_=False)
+    model = instantiate_at(cfg, "model")  # as train builds it (the plan is the strategy's)
     result = {}
     if world == 1:
         datamodule.setup()
