@@ -62,17 +62,47 @@ def fake_world(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+# The model config's LightningModule as last built on the meta device: preflight's checks and each layout's
+# estimate shard copies of it, so a user's __init__ runs once per process for planning (nanoGPT prints its size once)
+_built: tuple[str, object] | None = None
+
+
 def meta_model(cfg: DictConfig):
-    """The LightningModule of the config, on the meta device, in the dtype its precision stores weights in."""
+    """The LightningModule of the config, on the meta device, in the dtype its precision stores weights in: a copy
+    of the one built for this model config."""
+    import copy
+
     import torch
+    from omegaconf import OmegaConf
 
     from mlproject.build import instantiate_at
 
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
-        model = instantiate_at(cfg, "model")  # as train builds it; a bad key: one line naming it
+    def build():
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
+            return instantiate_at(cfg, "model")  # as train builds it; a bad key: one line naming it
+
+    global _built
+    key = OmegaConf.to_yaml(cfg.model, resolve=True)
+    if _built is None or _built[0] != key:
+        _built = (key, build())
+    try:
+        model = copy.deepcopy(_built[1])
+    except Exception:  # noqa: BLE001 (what a module holds, e.g. an open file, is its own: build it again)
+        model = build()
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(cfg.trainer.precision))
     return model.to(dtype) if dtype else model
+
+
+def meta_network(cfg: DictConfig):
+    """The model on the meta device (no memory, no initialisation) after its configure_model (a lazy build), for
+    the checks that read the network as built; None where it does not build there (train's build reports why)."""
+    try:
+        model = meta_model(cfg)
+        model.configure_model()  # the template's parallelize does nothing outside a Trainer
+    except Exception:  # noqa: BLE001
+        return None
+    return model
 
 
 def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int, int]:
@@ -271,6 +301,8 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     only its own experts), TP inside a node where it splits layers, ZeRO-3, then ZeRO-3 with offload."""
     import importlib.util
 
+    from mlproject.distributed.strategies import net_setting
+
     plan = cfg.model.get("parallel") or {}
     zero = importlib.util.find_spec("deepspeed") is not None and not ema_configured(cfg)  # EMA refuses DeepSpeed
     if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
@@ -289,7 +321,7 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
         # bubble leaves GPUs idle, so HSDP (gradients alone cross nodes) comes first where it fits
         if layout == ["strategy=hsdp"] and plan.get("pipeline") and (pipeline := pipeline_layout(cfg, topology)):
             layouts.append(pipeline)
-    heads = (cfg.model.get("net") or {}).get("n_head") or 0
+    heads = net_setting(cfg, "n_head")[1] or 0
     sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
     sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
     if plan.get("colwise") and sizes:
@@ -350,11 +382,12 @@ def plan(overrides: list[str]) -> Plan:
     """Estimate the composed config as given and each candidate layout (the same overrides, another strategy)."""
     from hydra import compose
 
-    from mlproject.distributed.strategies import check_model_parallel
+    from mlproject.distributed.strategies import check_model_parallel, check_plan
 
     cfg = compose("train", overrides)
     topology = Topology.of(cfg).validate()
-    check_model_parallel(cfg, topology)  # e.g. heads that do not divide by the TP size
+    check_model_parallel(cfg, topology)
+    check_plan(cfg, topology, meta_network(cfg))  # e.g. heads that do not divide by the TP size
     given = [o for o in overrides if o.startswith("strategy")]
     configured = largest(cfg, " ".join(given) or f"strategy={topology.strategy}")
     others = [o for o in overrides if o not in given]  # a candidate's strategy replaces the configured one whole

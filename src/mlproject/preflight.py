@@ -78,16 +78,28 @@ def check_lr_scaling(cfg: DictConfig) -> None:
         scaled_lr(opt.lr, 1, opt.lr_scaling, opt.get("base_batch_size"))
 
 
-def check_vocabulary(cfg: DictConfig) -> None:
-    """A model with fewer token ids than its data would fail at the first out-of-range id, deep in an embedding."""
+def check_vocabulary(cfg: DictConfig, network) -> None:
+    """A token embedding with fewer ids than the data has fails at the first out-of-range id, deep in the model.
+    Read from the network as built: its first Embedding (token embeddings come first in GPT-2, Llama, nanoGPT and
+    the template's GPT), wherever the config sets its size."""
+    from torch import nn
+
     from mlproject.distributed.strategies import net_setting
 
-    data, (at, vocab) = cfg.get("data") or {}, net_setting(cfg, "vocab_size")
-    if "vocab_size" in data and vocab is not None and vocab < data.vocab_size:
+    vocab = (cfg.get("data") or {}).get("vocab_size")
+    modules = network.named_modules() if network is not None else ()
+    name, embedding = next(((n, m) for n, m in modules if isinstance(m, nn.Embedding)), (None, None))
+    if vocab is None or embedding is None or embedding.num_embeddings >= vocab:
+        return
+    at, value = net_setting(cfg, "vocab_size")
+    if value == embedding.num_embeddings:  # the config's setting built it: name that
         raise ConfigError(
-            f"{at}={vocab} is smaller than data.vocab_size={data.vocab_size}; "
-            "drop the override (it follows the data) or raise it"
+            f"{at}={value} is smaller than data.vocab_size={vocab}; drop the override (it follows the data) or raise it"
         )
+    raise ConfigError(
+        f"{type(network).__name__}'s token embedding {name} has {embedding.num_embeddings} ids, fewer than "
+        f"data.vocab_size={vocab}; build it with at least {vocab}"
+    )
 
 
 def available_ram() -> int | None:
@@ -153,6 +165,7 @@ def preflight(cfg: DictConfig) -> Topology:
     from mlproject.cluster.slurm import check_in_job
     from mlproject.distributed.launch import CHECKED_BY_RANK_0, check_deepspeed, check_launch
     from mlproject.distributed.strategies import check_model_parallel, check_plan
+    from mlproject.plan import meta_network
 
     refuse_url_paths(cfg)  # also in Hydra's callback, before it makes the run directory; here for train(cfg) too
 
@@ -166,11 +179,12 @@ def preflight(cfg: DictConfig) -> Topology:
     kubernetes.check_in_job(cfg)
     check_accelerator(cfg)
     check_lr_scaling(cfg)
-    check_vocabulary(cfg)
     topology.validate()
     check_model_parallel(cfg, topology)
     if not checked:
-        check_plan(cfg, topology)  # builds the model on the meta device
+        network = meta_network(cfg)  # the model built once: check_memory's estimate copies it
+        check_vocabulary(cfg, network)
+        check_plan(cfg, topology, network)
     ckpt = cfg.get("ckpt_path")
     # a URL (s3://...) is checked where it is read: checkpoint.resume.resolve_ckpt_path
     if ckpt and ckpt != "auto" and "://" not in str(ckpt) and not Path(ckpt).exists():

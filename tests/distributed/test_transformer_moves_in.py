@@ -64,9 +64,16 @@ def refusal(tmp_path, *overrides: str) -> str:
             "error: model.parallel.blocks: no module of torch.nn.GRU in LitGPT; its repeated module classes: "
             "mygpt.model.Block",
         ),
-        (
-            ["strategy=tp", "trainer.devices=2", "model.net.config.n_head=3", "model.net.config.n_embd=48"],
+        (  # attn.c_proj's input is the heads side by side: the attention module around it counts them
+            ["strategy=tp", "trainer.devices=2", "model.net.config.n_head=3", "model.net.config.n_embd=48"]
+            + [MLP_PLAN.replace("[mlp.c_proj]", "[attn.c_proj, mlp.c_proj]")],
             "error: model.net.config.n_head=3 must divide by strategy.tensor_parallel_size=2",
+        ),
+        (
+            ["strategy=tp", "trainer.devices=8", "strategy.tensor_parallel_size=8", "model.net.config.n_head=3"]
+            + ["model.net.config.n_embd=33", MLP_PLAN],
+            "error: model.parallel.colwise: mlp.c_fc of Block has 132 output features, which do not divide by "
+            "strategy.tensor_parallel_size=8",
         ),
         (
             ["+data.vocab_size=256", "model.net.config.vocab_size=100"],
@@ -78,7 +85,16 @@ def refusal(tmp_path, *overrides: str) -> str:
             "error: model.config.vocab_size=100 is smaller than data.vocab_size=256",
         ),
     ],
-    ids=["fused-qkv", "layer-typo", "class-typo", "class-absent", "nested-heads", "nested-vocab", "lazy-vocab"],
+    ids=[
+        "fused-qkv",
+        "layer-typo",
+        "class-typo",
+        "class-absent",
+        "nested-heads",
+        "width",
+        "nested-vocab",
+        "lazy-vocab",
+    ],
 )
 def test_plan_and_nested_settings_are_checked_before_launch(tmp_path, user_code, overrides, expected):
     """Each in one line from preflight (in this process: no rank starts), where the run used to fail after launch
@@ -94,13 +110,18 @@ def test_template_plans_pass_the_check(tmp_path, compose_cfg):
     from mlproject.core.errors import ConfigError
     from mlproject.core.topology import Topology
     from mlproject.distributed.strategies import check_plan
+    from mlproject.plan import meta_network
 
     for overrides in (["model=gpt", "strategy=fsdp_tp", "trainer.devices=4"], ["model=gpt_moe", "strategy=fsdp"]):
         cfg = compose_cfg(*overrides, "data=text", "trainer=cpu")
-        check_plan(cfg, Topology.of(cfg))
+        check_plan(cfg, Topology.of(cfg), meta_network(cfg))
         cfg.model.parallel.rowwise = [*cfg.model.parallel.rowwise, "attn.c_proj"]
         with pytest.raises(ConfigError, match="^model.parallel.rowwise: attn.c_proj of Block is no layer; its"):
-            check_plan(cfg, Topology.of(cfg))
+            check_plan(cfg, Topology.of(cfg), meta_network(cfg))
+    heads = ["model.net.n_head=3", "model.net.n_embd=48"]  # the built attention's n_head, named by its config key
+    cfg = compose_cfg("model=gpt", "strategy=tp", "trainer.devices=2", *heads, "data=text", "trainer=cpu")
+    with pytest.raises(ConfigError, match="^model.net.n_head=3 must divide by strategy.tensor_parallel_size=2$"):
+        check_plan(cfg, Topology.of(cfg), meta_network(cfg))
 
 
 STEPS = ["trainer.max_steps=6", "trainer.max_epochs=1", "+callbacks.steps._target_=tests.helpers.callbacks.RecordSteps"]
@@ -156,6 +177,16 @@ def test_the_module_is_sharded_by_its_plan_or_whole_and_trains_as_one_process(ru
     assert got["state"].keys() == ref["state"].keys()
     for key, value in ref["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=0, atol=5e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "builds"), [("single", 2), ("empty_hook", 3), ("fsdp_tp", 5)])
+def test_the_network_is_built_once_per_rank_and_once_on_the_meta_device(runs, name, builds):
+    """The user's GPT prints its size in __init__, as nanoGPT does: rank 0 builds it once on the meta device, which
+    preflight's checks and the memory estimate copy, and each rank once to train (one process used to build it 3
+    times, fsdp on 2 ranks 4)."""
+    proc = runs[name]["proc"]
+    assert (proc.stdout + proc.stderr).count("number of parameters: ") == builds
 
 
 @pytest.mark.slow

@@ -91,9 +91,7 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
     strategy, name = cfg.strategy, topology.strategy
     tp, ep = topology.tensor_parallel_size, topology.expert_parallel_size
     plan = cfg.model.get("parallel") or {}
-    (heads_at, heads), (experts_at, experts) = net_setting(cfg, "n_head"), net_setting(cfg, "n_expert")
-    if heads is not None and heads % tp:
-        raise ConfigError(f"{heads_at}={heads} must divide by strategy.tensor_parallel_size={tp}")
+    experts_at, experts = net_setting(cfg, "n_expert")
     if ep > 1 and not plan.get("experts"):
         raise ConfigError(f"strategy.expert_parallel_size={ep} needs a mixture-of-experts model (e.g. model=gpt_moe)")
     if ep > 1 and (experts or 0) % ep:
@@ -162,14 +160,14 @@ def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
 FUSED = ("qkv", "c_attn", "query_key_value", "w_pack", "in_proj")
 
 
-def check_plan(cfg: DictConfig, topology: Topology) -> None:
+def check_plan(cfg: DictConfig, topology: Topology, network) -> None:
     """Every entry of model.parallel names what it should, before any process starts: `blocks` and `experts` are
     importable module classes found in the model, `colwise` and `rowwise` are Linear or Embedding layers of a
-    block, and under tensor parallelism no colwise layer is a fused q/k/v projection, which a column split cuts
-    into uneven q, k and v pieces (the model's own split then fails inside its forward on every rank). The model
-    is built on the meta device (no memory, no initialisation), with its configure_model if it builds there."""
-    import torch
-    from hydra.utils import get_class, instantiate
+    block. Under tensor parallelism each split layer divides evenly, and so do the heads of an attention layer it
+    splits; no colwise layer is a fused q/k/v projection, which a column split cuts into uneven q, k and v pieces
+    (the model's own split then fails inside its forward on every rank). `network`: the model as built on the
+    meta device (preflight.meta_network), None where it does not build there."""
+    from hydra.utils import get_class
     from torch import nn
 
     plan = cfg.model.get("parallel") or {}
@@ -181,23 +179,19 @@ def check_plan(cfg: DictConfig, topology: Topology) -> None:
                 get_class(name)
             except Exception as exc:  # noqa: BLE001 (an import error of any kind: the one line says which)
                 raise ConfigError(f"model.parallel.{key}: {name} is not an importable class ({exc})") from None
-    try:
-        with torch.device("meta"):
-            model = instantiate(without_plan(cfg.model))
-            model.configure_model()  # a lazy build; the template's parallelize does nothing outside a Trainer
-    except Exception:  # noqa: BLE001 (a model that does not build here is build's to report, in its one line)
+    if network is None:
         return
     classes = tuple(get_class(name) for name in plan.get("blocks") or ())
-    blocks = {type(m): m for m in model.modules() if classes and isinstance(m, classes)}
+    blocks = {type(m): m for m in network.modules() if classes and isinstance(m, classes)}
     if classes and not blocks:
         repeated = sorted(
-            {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules() if repeats(model, m)}
+            {f"{type(m).__module__}.{type(m).__qualname__}" for m in network.modules() if repeats(network, m)}
         )
         raise ConfigError(
-            f"model.parallel.blocks: no module of {', '.join(plan.blocks)} in {type(model).__name__}; its repeated "
-            f"module classes: {', '.join(repeated) or 'none'}"
+            f"model.parallel.blocks: no module of {', '.join(plan.blocks)} in {type(network).__name__}; its "
+            f"repeated module classes: {', '.join(repeated) or 'none'}"
         )
-    tp = topology.tensor_parallel_size > 1
+    tp = topology.tensor_parallel_size
     for kind in ("colwise", "rowwise"):
         for name in plan.get(kind) or ():
             for block in blocks.values():
@@ -207,13 +201,49 @@ def check_plan(cfg: DictConfig, topology: Topology) -> None:
                     layers = [n for n, m in block.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
                     is_what = "is no layer" if layer is None else f"is a {type(layer).__name__}"
                     raise ConfigError(f"{where} {is_what}; its Linear and Embedding layers: {', '.join(layers)}")
-                if tp and kind == "colwise" and isinstance(layer, nn.Linear) and fused(name, layer):
-                    raise ConfigError(
-                        f"{where} is a fused q/k/v projection (Linear {layer.in_features} -> {layer.out_features}), "
-                        "which tensor parallelism cannot split by columns; split it into three Linear layers named "
-                        "in colwise (as model=gpt's attn.q, attn.k, attn.v), or drop it and its rowwise output "
-                        "projection from the plan (then TP splits the MLP only), or use strategy=fsdp"
-                    )
+                if tp > 1:
+                    check_split(cfg, where, block, name, layer, kind, tp)
+
+
+def check_split(cfg: DictConfig, where: str, block, name: str, layer, kind: str, tp: int) -> None:
+    """One layer of a tensor-parallel plan, as built: its split dimension and the heads of the attention around it
+    divide by the TP size, and it is no fused q/k/v projection."""
+    from torch import nn
+
+    if kind == "colwise" and isinstance(layer, nn.Linear) and fused(name, layer):
+        raise ConfigError(
+            f"{where} is a fused q/k/v projection (Linear {layer.in_features} -> {layer.out_features}), "
+            "which tensor parallelism cannot split by columns; split it into three Linear layers named "
+            "in colwise (as model=gpt's attn.q, attn.k, attn.v), or drop it and its rowwise output "
+            "projection from the plan (then TP splits the MLP only), or use strategy=fsdp"
+        )
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):  # the nearest module around the layer that counts heads
+        attention = block.get_submodule(".".join(parts[:depth]))
+        heads = next((v for a in HEADS if isinstance(v := getattr(attention, a, None), int)), None)
+        if heads is None:
+            continue
+        if heads % tp:
+            at, value = net_setting(cfg, "n_head")
+            if value == heads:  # the config's setting built it: name that
+                raise ConfigError(f"{at}={heads} must divide by strategy.tensor_parallel_size={tp}")
+            raise ConfigError(
+                f"{where} splits {type(attention).__name__}'s {heads} heads, which do not divide by "
+                f"strategy.tensor_parallel_size={tp}"
+            )
+        break
+    # a weight is out x in for a Linear, ids x width for an Embedding: colwise splits a Linear's outputs and an
+    # Embedding's width, rowwise the other dimension
+    linear = isinstance(layer, nn.Linear)
+    dim = 0 if (kind == "colwise") == linear else 1
+    size, what = layer.weight.shape[dim], (("output features", "input features") if linear else ("ids", "width"))[dim]
+    if size % tp:
+        raise ConfigError(f"{where} has {size} {what}, which do not divide by strategy.tensor_parallel_size={tp}")
+
+
+# attributes that count an attention layer's heads: nanoGPT's and the template's n_head, torch's MultiheadAttention
+# and Hugging Face's num_heads
+HEADS = ("n_head", "num_heads", "n_heads")
 
 
 def without_plan(model: DictConfig) -> DictConfig:

@@ -23,7 +23,7 @@ from mlproject.models.components.moe import MoE
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
-        self.head_dim, self.dropout = n_embd // n_head, dropout
+        self.n_head, self.head_dim, self.dropout = n_head, n_embd // n_head, dropout  # preflight reads n_head
         self.q = nn.Linear(n_embd, n_embd, bias=bias)
         self.k = nn.Linear(n_embd, n_embd, bias=bias)
         self.v = nn.Linear(n_embd, n_embd, bias=bias)
