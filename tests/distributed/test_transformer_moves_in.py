@@ -141,6 +141,7 @@ def runs(tmp_path_factory) -> dict:
             *("model=nanogpt", "model._target_=mygpt.lit.EmptyHookLitGPT", *QUICK, *SHARDED),
             "+callbacks.steps.checkpoint=true",  # last.ckpt: a sharded checkpoint to export
         ],
+        "ddp": ["model=nanogpt", *QUICK, "strategy=ddp", "trainer.devices=2"],
         "lazy_single": ["model=nanogpt_lazy", *QUICK],
         "lazy": ["model=nanogpt_lazy", *QUICK, *SHARDED],
         "outside": ["model=nanogpt", "model._target_=mygpt.lit.ScaledLitGPT", *QUICK, *SHARDED],
@@ -161,11 +162,13 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "reference"), [("empty_hook", "single"), ("lazy", "lazy_single"), ("tp", "single"), ("fsdp_tp", "single")]
+    ("name", "reference"),
+    [("ddp", "single"), ("empty_hook", "single"), ("lazy", "lazy_single"), ("tp", "single"), ("fsdp_tp", "single")],
 )
 def test_the_module_is_sharded_by_its_plan_or_whole_and_trains_as_one_process(runs, name, reference):
-    """An empty configure_model, or one that builds the network (Lightning's lazy-build hook), used to leave the
-    network whole under fsdp: each rank trained its own copy, unsynced. The strategy now shards it after the hook;
+    """DDP replicates the module as it is. An empty configure_model, or one that builds the network (Lightning's
+    lazy-build hook), used to leave the network whole under fsdp: each rank trained its own copy, unsynced. The
+    strategy now shards it after the hook;
     under tp and fsdp_tp it splits the MLP of each block by the plan in the config, which the module never sees,
     and clips the gradients that mix DTensors and plain tensors. Every step's global loss within 2e-6 relative and
     every final parameter within 5e-6 of one process (the strategy-equivalence tolerances of
@@ -180,7 +183,7 @@ def test_the_module_is_sharded_by_its_plan_or_whole_and_trains_as_one_process(ru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "builds"), [("single", 2), ("empty_hook", 3), ("fsdp_tp", 5)])
+@pytest.mark.parametrize(("name", "builds"), [("single", 2), ("ddp", 3), ("empty_hook", 3), ("fsdp_tp", 5)])
 def test_the_network_is_built_once_per_rank_and_once_on_the_meta_device(runs, name, builds):
     """The user's GPT prints its size in __init__, as nanoGPT does: rank 0 builds it once on the meta device, which
     preflight's checks and the memory estimate copy, and each rank once to train (one process used to build it 3
