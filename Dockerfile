@@ -1,5 +1,6 @@
-# The training image of cluster=kubernetes (docs/kubernetes.md): exactly the hash-checked lock of the CUDA build,
-# then this package, at /app (configs are read from there). Make the lock first, once (README, Install):
+# The training image of cluster=kubernetes (docs/kubernetes.md): exactly the hash-checked runtime lock of the CUDA
+# build (what running needs; its -dev lock, with the test tools, stays out), then this package, at /app (configs
+# are read from there). Make the locks first, once (README, Install):
 #   make lock LOCK=requirements-cu128.lock TORCH=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128
 #   docker build -t <registry>/mlproject:<tag> . && docker push <registry>/mlproject:<tag>
 # torch's CUDA wheels bring the CUDA libraries; the GPU driver comes from the node (NVIDIA container toolkit).

@@ -4,12 +4,17 @@ SHELL := /bin/bash
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# `make install` installs exactly what LOCK pins, each file checked against its hash. `make lock` remakes
-# LOCK from pyproject.toml's ranges, with torch pinned to the build TORCH names, found where your pip finds
-# it or on TORCH_INDEX (then written into the lock, so installing needs no flag). For CUDA, a lock of its own:
+# Two locks, each file in them checked against its hash. LOCK is what running needs (pyproject's dependencies
+# + the run extra): `make install` installs it, for train/eval/sweep/submit/...; the image installs it too.
+# DEV_LOCK adds the dev extra (tests, lint, notebooks): `make install-dev` installs it, for test/lint/format.
+# `make lock` remakes both from pyproject.toml's ranges, DEV_LOCK constrained by LOCK, so every package in both
+# has one pin; torch is pinned to the build TORCH names, found where your pip finds it or on TORCH_INDEX (then
+# written into the locks, so installing needs no flag). DEV_LOCK is LOCK's name with -dev before .lock. For
+# CUDA, locks of their own (requirements-cu128.lock and requirements-cu128-dev.lock):
 #   make lock LOCK=requirements-cu128.lock TORCH=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128
-#   make install LOCK=requirements-cu128.lock
+#   make install LOCK=requirements-cu128.lock    (or make install-dev LOCK=requirements-cu128.lock)
 LOCK        ?= requirements.lock
+DEV_LOCK    ?= $(LOCK:.lock=-dev.lock)
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 ARGS   ?=
@@ -23,7 +28,7 @@ OUT    ?= model.pt
 # On Linux the order comes from make's own arguments in /proc; elsewhere assignments come first (MAKEOVERRIDES
 # lists them last first), then deletions. ARGS is for what make would read as its own: options such as
 # `--multirun`, or `-m` (make takes -m as its own flag and ignores it). The shell splits ARGS.
-OURS      = VENV LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES
+OURS      = VENV LOCK DEV_LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES
 quote     = '$(subst ','\'',$(1))'
 reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
@@ -37,7 +42,7 @@ OVERRIDES = $(or $(strip $(IN_ORDER)),$(UNORDERED)) $(ARGS)
 DASH_M    = $(shell $(CLI_ARGV) [ "$$a" = -m ] && echo yes; done < /proc/$$PPID/cmdline)
 no_dash_m = @$(if $(DASH_M),echo "error: make takes -m as its own flag: sweep with make sweep <overrides> (or make $@ ARGS=\"-m <overrides>\")" >&2; exit 2,:)
 
-.PHONY: help install lock train sweep eval export test test-fast test-gpu lint format clean
+.PHONY: help install install-dev lock train sweep eval export test test-fast test-gpu lint format clean
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -49,19 +54,34 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PY) scripts/check_torch_family.py  # torchvision/torchaudio of another torch build: one line, not a traceback
 	touch $@
 
-install: $(VENV)/.installed ## create .venv and install the locked dependencies and the package (idempotent)
+install: $(VENV)/.installed ## create .venv and install what running needs (LOCK) and the package (idempotent)
+
+# The dev lock holds every pin of the runtime lock (make lock constrains it so), so it installs alone; the two
+# stamps are apart, and a venv with both is the dev one (installing the runtime lock there changes nothing).
+$(VENV)/.installed-dev: pyproject.toml $(DEV_LOCK)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --require-hashes -r $(DEV_LOCK)
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) scripts/check_torch_family.py
+	touch $@
+
+install-dev: $(VENV)/.installed-dev ## what install does, plus the tools for developing (DEV_LOCK: tests, lint, notebooks)
 
 # uv reads no pip configuration: pip's find-links (a folder of local wheels, as this template's CI keeps
-# torch in) are passed on, so the lock pins the files pip installs. The lock is for this Python version.
+# torch in) are passed on, so the locks pin the files pip installs. The locks are for this Python version.
 # torchvision and torchaudio are built for one torch build each: they come from torch's index (uv takes a
 # package from the first index that has it, and TORCH_INDEX comes first), or from the find-links folder.
-lock: ## pin every dependency with its hashes into requirements.lock (LOCK, TORCH, TORCH_INDEX: see above)
+# The dev lock is compiled with the runtime lock as a constraint: a package both hold gets the same pin.
+UV_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml - --generate-hashes --quiet --python $(PY) \
+  --custom-compile-command "make lock" $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
+  $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --emit-index-url)
+lock: ## pin every dependency with its hashes into both locks, requirements.lock and requirements-dev.lock (see above)
 	@! grep -Eq '^ *"(torchvision|torchaudio)' pyproject.toml || test -n "$(TORCH_INDEX)$(PIP_FIND_LINKS)" || { echo \
 	  "error: torchvision/torchaudio must come from torch's index: make lock TORCH_INDEX=https://download.pytorch.org/whl/cpu (or .../cu128 with TORCH=torch==...+cu128)" >&2; exit 2; }
-	test -x $(VENV)/bin/uv || $(MAKE) install LOCK=requirements.lock  # uv comes with the dev extra
-	echo '$(TORCH)' | $(VENV)/bin/uv pip compile pyproject.toml - --extra dev --generate-hashes --quiet \
-	  --python $(PY) --custom-compile-command "make lock" -o $(LOCK) \
-	  $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --emit-index-url)
+	@test "$(LOCK)" != "$(DEV_LOCK)" || { echo "error: LOCK must end in .lock (DEV_LOCK is its name with -dev)" >&2; exit 2; }
+	test -x $(VENV)/bin/uv || $(MAKE) install-dev LOCK=requirements.lock DEV_LOCK=requirements-dev.lock  # uv comes with the dev extra
+	echo '$(TORCH)' | $(UV_COMPILE) --extra run -o $(LOCK)
+	echo '$(TORCH)' | $(UV_COMPILE) --extra dev --constraint $(LOCK) -o $(DEV_LOCK)
 
 train: install ## train the default experiment; overrides bare or in ARGS: make train trainer.max_epochs=3 '~logger'
 	$(no_dash_m)
@@ -81,20 +101,20 @@ export: install ## any checkpoint -> one plain state dict: make export CKPT=path
 	@test -n $(call quote,$(value CKPT)) || { echo "error: give the checkpoint, e.g. make export CKPT=logs/train/runs/<run_id>/checkpoints/last.ckpt" >&2; exit 2; }
 	$(PY) -m mlproject.export $(call quote,ckpt_path=$(value CKPT)) $(call quote,out=$(value OUT)) $(OVERRIDES)
 
-test: install ## run the whole test suite
+test: install-dev ## run the whole test suite
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
-test-fast: install ## the quick tests: all but those marked slow (multi-process training, long end-to-end runs)
+test-fast: install-dev ## the quick tests: all but those marked slow (multi-process training, long end-to-end runs)
 	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
-test-gpu: install ## the GPU acceptance suite (tests/gpu/) on every visible GPU; skips without one
+test-gpu: install-dev ## the GPU acceptance suite (tests/gpu/) on every visible GPU; skips without one
 	$(PY) -m pytest -m gpu $(ARGS)
 
-lint: install ## ruff lint and format check
+lint: install-dev ## ruff lint and format check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-format: install ## ruff auto-fix and format
+format: install-dev ## ruff auto-fix and format
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
