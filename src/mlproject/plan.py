@@ -378,8 +378,9 @@ class Plan:
         return next((row for row in self.rows if self.fits(row)), None)
 
 
-def plan(overrides: list[str]) -> Plan:
-    """Estimate the composed config as given and each candidate layout (the same overrides, another strategy)."""
+def plan(overrides: list[str], others: bool = True) -> Plan:
+    """Estimate the composed config as given and, with `others`, each candidate layout (the same overrides,
+    another strategy)."""
     from hydra import compose
 
     from mlproject.distributed.strategies import check_model_parallel, check_plan
@@ -390,13 +391,13 @@ def plan(overrides: list[str]) -> Plan:
     check_plan(cfg, topology, meta_network(cfg))  # e.g. heads that do not divide by the TP size
     given = [o for o in overrides if o.startswith("strategy")]
     configured = largest(cfg, " ".join(given) or f"strategy={topology.strategy}")
-    others = [o for o in overrides if o not in given]  # a candidate's strategy replaces the configured one whole
+    rest = [o for o in overrides if o not in given]  # a candidate's strategy replaces the configured one whole
     rows = []
-    for layout in candidates(cfg, topology):
+    for layout in candidates(cfg, topology) if others else ():
         if layout == given:  # the configured layout, estimated above (a copy: the table marks the configured row)
             rows.append(replace(configured))
         else:
-            rows.append(largest(compose("train", [*others, *layout]), " ".join(layout)))
+            rows.append(largest(compose("train", [*rest, *layout]), " ".join(layout)))
     return Plan(topology, configured, rows, device_memory(cfg))
 
 
@@ -445,9 +446,11 @@ def print_plan(result: Plan) -> None:
 
 def check_fits(overrides: list[str]) -> None:
     """Refuse, in one line naming the fix, a job whose configured layout would not fit its GPUs (for submit)."""
-    result = plan(overrides)
+    # the other layouts only to name one that fits: a fitting job imports no DeepSpeed for its estimators
+    result = plan(overrides, others=False)
     if result.memory is None or result.fits(result.configured):
         return
+    result = plan(overrides)
     needed = f"{result.configured.layout} needs {size(result.configured.total)} per GPU of {size(result.memory)}"
     best = result.recommended
     fix = f"use {best.layout} ({size(best.total)})" if best else NO_FIT

@@ -141,10 +141,14 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
                 row = pool.submit(largest, cfg, layout).result()
         else:
             row = largest(cfg, layout)
-    except Exception:  # noqa: BLE001
-        # No estimate, nothing to refuse: data made by the run itself (prepare_data), a plain datamodule (the
-        # planner reads the template's splits()), or data and model that disagree (the first batch says so in
-        # one line). `make plan` shows why.
+    except Exception as exc:  # noqa: BLE001
+        # No estimate, nothing to refuse, but said: data made by the run itself (prepare_data), a plain datamodule
+        # (the planner reads the template's splits()), or data and model that disagree (the first batch says so)
+        from mlproject.utils.rank_logging import get_logger
+
+        get_logger(__name__).warning(
+            f"memory not checked, no estimate: {type(exc).__name__}: {exc} (`make plan` shows the traceback)"
+        )
         return
     if row.total <= limit * memory:
         return
@@ -159,18 +163,33 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
     )
 
 
+def checked_by_rank_0() -> bool:
+    """Whether global rank 0 makes, for this process, the checks that cost a compose or a model build: where its
+    refusal ends this process too. The local ranks launch_local_ranks starts after rank 0's checks; torchrun's workers
+    on rank 0's node (their agent stops them when one exits; another node's agent would leave its workers waiting for
+    the rendezvous); srun's tasks under SLURM_KILL_BAD_EXIT=1 (srun's --kill-on-bad-exit, inherited by its tasks).
+    Every other process checks for itself."""
+    from mlproject.distributed.launch import CHECKED_BY_RANK_0
+
+    env = os.environ
+    if env.get(CHECKED_BY_RANK_0) == "1":
+        return True
+    if "TORCHELASTIC_RUN_ID" in env:
+        return env.get("RANK", "0") != "0" and env.get("GROUP_RANK", "0") == "0"
+    return env.get("SLURM_KILL_BAD_EXIT") == "1" and env.get("SLURM_PROCID", "0") != "0"
+
+
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
     from mlproject.cluster import kubernetes
     from mlproject.cluster.slurm import check_in_job
-    from mlproject.distributed.launch import CHECKED_BY_RANK_0, check_deepspeed, check_launch
+    from mlproject.distributed.launch import check_deepspeed, check_launch
     from mlproject.distributed.strategies import check_model_parallel, check_plan
     from mlproject.plan import meta_network
 
     refuse_url_paths(cfg)  # also in Hydra's callback, before it makes the run directory; here for train(cfg) too
 
-    # a local rank that rank 0 started after these checks skips the two that cost a compose or a planner estimate
-    checked = os.environ.get(CHECKED_BY_RANK_0) == "1"
+    checked = checked_by_rank_0()  # then this rank skips the checks that cost a compose or a model build
     if not checked:
         check_override_types(cfg)
     check_ranges(cfg)  # before the topology divides by any of them
