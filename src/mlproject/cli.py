@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import difflib
 import functools
 import os
@@ -224,8 +223,7 @@ def run_as_process(main) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from mlproject import compat
+
     dist.destroy_process_group()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    compat.exit_now(0)

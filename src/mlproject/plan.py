@@ -53,9 +53,10 @@ class Row:
 def fake_world(world_size: int, rank: int = 0):
     """A process group of `world_size` ranks in which this process is `rank` and no collective moves data."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's own dry-run backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    from mlproject import compat
+
+    compat.fake_process_group(world_size, rank)
     try:
         yield
     finally:
@@ -205,6 +206,7 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     from hydra.utils import instantiate
     from torchmetrics import Metric
 
+    from mlproject import compat
     from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
     from mlproject.distributed.pipeline import in_flight, stages_per_rank
 
@@ -243,7 +245,7 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     def count(t):
         # under a pipeline: what this rank's stages save, and the loss (outside the network) on the last stage
         if pp == 1 or inside["stage"] > 0 or (rank == pp - 1 and inside["net"] == 0):
-            saved[id(t if t._base is None else t._base) in params] += t.numel() * t.element_size()
+            saved[id(compat.view_base(t)) in params] += t.numel() * t.element_size()
         return t
 
     # 16-bit mixed precision keeps weights in fp32 but most saved activations (matmul inputs) in 16 bits

@@ -33,14 +33,13 @@ class StudySweeper(OptunaSweeper):
 
     def sweep(self, arguments: list[str]) -> None:
         import optuna
-        from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 
+        from mlproject import compat
         from mlproject.callbacks.pruning import open_storage
 
         State = optuna.trial.TrialState
         impl = self.sweeper
-        impl._process_searchspace_config()
-        search_space, fixed = create_params_from_overrides([*impl._parse_sweeper_params_config(), *arguments])
+        search_space, fixed = compat.optuna_search_space(impl, arguments)
         for name in fixed:
             search_space.pop(name, None)
         check_search_space(impl.config, list(search_space))
@@ -52,7 +51,7 @@ class StudySweeper(OptunaSweeper):
             storage=storage,
             sampler=impl.sampler,
             pruner=self.pruner,
-            directions=impl._get_directions(),
+            directions=compat.optuna_directions(impl),
             load_if_exists=True,
         )
         for trial in study.get_trials(deepcopy=False, states=(State.RUNNING,)):
@@ -62,7 +61,7 @@ class StudySweeper(OptunaSweeper):
         log.info(f"study {study.study_name} in {impl.storage}: {len(study.trials)} trials so far, {max(to_go, 0)} more")
         while to_go > 0:
             trials = [study.ask() for _ in range(min(to_go, impl.n_jobs))]
-            overrides = impl._configure_trials(trials, search_space, fixed)
+            overrides = compat.optuna_trial_overrides(impl, trials, search_space, fixed)
             # job number = trial number: the trial's callbacks find it in the study by hydra.job.num
             try:
                 returns = impl.launcher.launch(overrides, initial_job_idx=trials[0].number)

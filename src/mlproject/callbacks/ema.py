@@ -16,8 +16,14 @@ from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from mlproject import compat
 from mlproject.core.errors import ConfigError
+
+
+def has_child(module: nn.Module, name: str) -> bool:
+    return name in dict(module.named_children())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +44,7 @@ class EMA(Callback):
             raise ConfigError("callbacks.ema: DeepSpeed keeps the weights in its own partitions; use strategy=fsdp")
         if not trainer.strategy.restore_checkpoint_after_setup:
             self._attach(pl_module)
-        elif stage != "fit" and "ema" not in pl_module._modules:
+        elif stage != "fit" and not has_child(pl_module, "ema"):
             raise ConfigError(
                 "callbacks.ema: under fsdp/tp the EMA is made when fitting; evaluate a checkpoint with "
                 "`python -m mlproject.eval`, which tests its EMA weights"
@@ -48,7 +54,7 @@ class EMA(Callback):
         self._attach(pl_module)
 
     def _attach(self, pl_module) -> None:
-        if "ema" in pl_module._modules:  # fit, then test (or fit again): keep the averages
+        if has_child(pl_module, "ema"):  # fit, then test (or fit again): keep the averages
             return
         ema = nn.Module()
         for name, p in pl_module.named_parameters():
@@ -57,14 +63,13 @@ class EMA(Callback):
             *path, leaf = name.split(".")
             parent = ema
             for part in path:  # one module per level: buffer names cannot hold dots
-                if part not in parent._modules:
+                if not has_child(parent, part):
                     parent.add_module(part, nn.Module())
-                parent = parent._modules[part]
+                parent = parent.get_submodule(part)
             parent.register_buffer(leaf, p.detach().clone())  # a DTensor's clone keeps its sharding
         pl_module.ema = ema
         # DDP broadcasts every buffer from rank 0 before each forward: these are equal on every rank already
-        ignored = getattr(pl_module, "_ddp_params_and_buffers_to_ignore", [])
-        pl_module._ddp_params_and_buffers_to_ignore = [*ignored, *(f"ema.{n}" for n, _ in ema.named_buffers())]
+        compat.ddp_ignore(pl_module, [f"ema.{n}" for n, _ in ema.named_buffers()])
 
     def _pairs(self, pl_module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(averages, parameters), this rank's shards; the parameters are looked up by name every time, as
@@ -83,7 +88,7 @@ class EMA(Callback):
             return
         self._step = trainer.global_step
         averages, params = self._pairs(pl_module)
-        torch._foreach_lerp_(averages, params, 1 - self.decay)  # a + w (p - a): one kernel per tensor group
+        get_ema_multi_avg_fn(self.decay)(averages, params, None)  # torch's foreach lerp: one kernel per group
 
     @torch.no_grad()
     def _swap(self, pl_module) -> None:

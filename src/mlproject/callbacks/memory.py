@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from mlproject import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
@@ -23,15 +24,14 @@ class MemoryHistory(Callback):
         if trainer.strategy.root_device.type != "cuda":
             log.warning("debug=memory records CUDA allocations; this run has no GPU, so nothing is recorded")
             return
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries)  # torch's documented recorder
+        compat.record_cuda_memory(self.max_entries)
         self._recording = True
 
     def dump(self, trainer) -> None:
         if not self._recording:
             return
         path = Path(trainer.default_root_dir) / f"memory_snapshot_rank{trainer.global_rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        compat.dump_cuda_memory(str(path))
         self._recording = False
         log.info(f"memory snapshot written to {path} (open it at https://pytorch.org/memory_viz)")
 

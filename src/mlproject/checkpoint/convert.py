@@ -169,12 +169,12 @@ def _from_sharded(path: Path) -> dict[str, Any]:
     # shards in full into an empty state dict (as Lightning's _load_distributed_checkpoint, which would read meta.pt
     # with torch's default weights_only, blind to MLPROJECT_TRUST_CHECKPOINT).
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from mlproject import compat
 
     check_unpickles(path)
     checkpoint: dict[str, Any] = {}
-    _load_state_dict(checkpoint, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    compat.load_whole_dcp(checkpoint, FileSystemReader(path))
     checkpoint.update(load_file(path / "meta.pt", map_location="cpu"))
     optimizers = sorted(k for k in checkpoint if k.startswith("optimizer_") and k[len("optimizer_") :].isdigit())
     checkpoint["optimizer_states"] = [_rekey_optimizer(checkpoint.pop(k)) for k in optimizers]

@@ -45,9 +45,7 @@ class _Rows(DefaultLoadPlanner):
 
 class DcpShards:
     def __init__(self, path: str | Path):
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+        from mlproject import compat
         from mlproject.checkpoint.convert import check_unpickles, load_file
 
         check_unpickles(path)  # DCP unpickles .metadata and the small items below in full
@@ -61,7 +59,7 @@ class DcpShards:
         # all but the parameters and their moments: buffers, step counts, param groups (small)
         small = {fqn for keys, fqn in self.fqns.items() if not self._sliced(keys)}
         loaded: dict = {}  # filled from the metadata by the planner (dcp.load would fill a copy)
-        _load_state_dict(loaded, self.reader, planner=_EmptyStateDictLoadPlanner(keys=small), no_dist=True)
+        compat.load_whole_dcp(loaded, self.reader, keys=small)
         self.buffers = loaded.get("state_dict", {})
         saved = loaded.get("optimizer_0", {"state": {}, "param_groups": []})
         shapes = {name: self.metadata.state_dict_metadata[self.fqns["state_dict", name]].size for name in self.params}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import Container, DictConfig, OmegaConf
 from torchmetrics import Metric
 
+from mlproject import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
@@ -57,9 +58,9 @@ def metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
         return [v.detach().cpu() for v in value] if isinstance(value, list) else value.detach().cpu()
 
     return {
-        name: {"updates": metric._update_count, "state": {k: cpu(v) for k, v in metric.metric_state.items()}}
+        name: {"updates": metric.update_count, "state": {k: cpu(v) for k, v in metric.metric_state.items()}}
         for name, metric in module.named_modules()
-        if isinstance(metric, Metric) and metric._update_count
+        if isinstance(metric, Metric) and metric.update_count
     }
 
 
@@ -72,7 +73,7 @@ def set_metric_states(module: torch.nn.Module, states: dict[str, dict[str, Any]]
                 attr,
                 [v.to(metric.device) for v in value] if isinstance(value, list) else value.to(metric.device),
             )
-        metric._update_count, metric._computed = saved["updates"], None
+        compat.set_update_count(metric, saved["updates"])
 
 
 def plain(value: Any) -> Any:
@@ -151,13 +152,9 @@ class RunState(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning bug #20550: when configure_optimizers reads trainer.estimated_stepping_batches (ours do, for
         # the schedule), the train loader is built before the checkpoint is restored and the position saved
-        # in a mid-epoch checkpoint is never loaded; load it here.
-        loop = trainer.fit_loop
-        if loop._combined_loader_states_to_load and not loop.epoch_loop.batch_progress.is_last_batch:
-            loop._load_combined_loader_states()
-            iter(loop._data_fetcher)
-            if self.loaded_metrics:  # the metrics of the epoch so far (at an epoch end they were just reset)
-                set_metric_states(pl_module, self.loaded_metrics)
+        # in a mid-epoch checkpoint is never loaded; load it here, with the metrics of the epoch so far.
+        if compat.reload_loader_position(trainer) and self.loaded_metrics:
+            set_metric_states(pl_module, self.loaded_metrics)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         for logger in trainer.loggers:

@@ -21,6 +21,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+from mlproject import compat
 from mlproject.checkpoint.convert import is_remote
 from mlproject.core.errors import CheckpointError
 from mlproject.utils.rank_logging import get_logger
@@ -176,7 +177,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         # last.ckpt is written, and a top-k slot only while fewer than k exist. After a validation a missing
         # metric is a typo, which Lightning reports.
         candidates = super()._monitor_candidates(trainer)
-        if self.monitor and self.monitor not in candidates and not trainer.fit_loop.epoch_loop.val_loop._has_run:
+        if self.monitor and self.monitor not in candidates and not compat.validated_yet(trainer):
             candidates[self.monitor] = torch.tensor(float("nan"))
         return candidates
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from mlproject import compat
 from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file
 
 PREFIX = "_forward_module."  # Lightning's wrapper around the LightningModule, in DeepSpeed's parameter names
@@ -44,7 +45,7 @@ def load_meta(file: str | Path) -> dict:
 def read_into(out: torch.Tensor, file: str | Path, saved: torch.Tensor, start: int) -> None:
     """Elements [start, start + out.numel()) of the flattened meta tensor `saved` (load_meta) from `file`."""
     buffer = out if saved.dtype == out.dtype else torch.empty(out.numel(), dtype=saved.dtype)
-    offset = saved.untyped_storage()._checkpoint_offset + (saved.storage_offset() + start) * saved.element_size()
+    offset = compat.file_offset(saved) + (saved.storage_offset() + start) * saved.element_size()
     view, done = buffer.numpy().view("uint8"), 0
     with open(file, "rb") as f:
         while done < view.size:  # one read returns at most ~2 GiB

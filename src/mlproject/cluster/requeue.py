@@ -52,7 +52,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.nn.utils import get_total_norm
 
+from mlproject import compat
 from mlproject.checkpoint.storage import save_atomically
 from mlproject.core.constants import EXIT_DIVERGED, EXIT_SIGTERM
 from mlproject.core.errors import ConfigError
@@ -81,11 +83,10 @@ class Signals(L.Callback):
         self._first_nonfinite = self._skipped = self._losses = None  # on the device, from on_train_start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Before Lightning registers its handlers (Trainer._run): its SIGTERM handler broadcasts from rank 0,
+        # Before Lightning registers its handlers (as fit starts): its SIGTERM handler broadcasts from rank 0,
         # a collective no other rank would meet once the per-step broadcast below is gone; ours only notes it.
         # Lightning has no public switch for either (upstream #21487): both are set on this trainer only.
-        trainer._signal_connector._sigterm_notifier_fn = self._on_signal
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # see the module docstring
+        compat.quiet_sigterm(trainer, self._on_signal)  # see the module docstring
 
     def _on_signal(self, signum, frame) -> None:
         self.received[signum] = True
@@ -139,7 +140,7 @@ class Signals(L.Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # DTensor: this rank's shard
         if local:
-            bad |= ~torch.isfinite(torch.stack(torch._foreach_norm(local)).sum())
+            bad |= ~torch.isfinite(get_total_norm(local))
         if self._sharded:
             flag = bad.to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -21,6 +22,8 @@ from hydra.utils import get_class
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+
+from mlproject import compat
 
 
 def named_meshes(topology, device_type: str) -> dict:
@@ -38,13 +41,13 @@ def named_meshes(topology, device_type: str) -> dict:
     root = init_device_mesh(device_type, shape, mesh_dim_names=names)
     split = ("expert_shard", "expert_parallel")
     # by index: torch 2.11's _unflatten refuses a dimension given by a name it has (pytorch#176443)
-    experts = root._unflatten(names.index("shard"), tuple(dims[name] for name in split), split)
+    experts = compat.mesh_unflatten(root, names.index("shard"), tuple(dims[name] for name in split), split)
     hsdp = dims["replicate"] > 1  # a 1-D mesh otherwise: plain FSDP's placements, bytes and collectives
     meshes = {name: root[name] for name in names} | {
-        "data_parallel": root["replicate", "shard"]._flatten("data_parallel"),
+        "data_parallel": compat.mesh_flatten(root["replicate", "shard"], "data_parallel"),
         # every rank once, but one per TP group: what evaluation metrics sum over (under pp only the last
         # stage has outputs; the other stages add zeros, and every rank then reports the same numbers)
-        "metrics": root["pipeline", "replicate", "shard"]._flatten("metrics"),
+        "metrics": compat.mesh_flatten(root["pipeline", "replicate", "shard"], "metrics"),
         "expert_parallel": experts["expert_parallel"],
         "expert_shard": experts["expert_shard"],
         "fsdp": root["replicate", "shard"] if hsdp else root["shard"],
@@ -306,7 +309,8 @@ class ModelParallel(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
         super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
         self.meshes = named_meshes(self.topology, self.root_device.type)
-        self._device_mesh = self.lightning_module._device_mesh = self.meshes["root"]
+        self._device_mesh = self.meshes["root"]
+        compat.set_device_mesh(self.lightning_module, self.meshes["root"])
         module = self.lightning_module
         if "configure_model" not in vars(module):  # once per module (each fit and test sets the strategy up)
             # The template shards after the module's own configure_model, if any (on the instance, where Lightning
@@ -412,10 +416,8 @@ def apply_tp(model: nn.Module, mesh, blocks: list[str], colwise: list[str], roww
 
 def apply_ac(model: nn.Module, blocks: list[str]) -> None:
     """Recompute each block's activations in backward instead of keeping them (less memory, ~1/3 more compute)."""
-    from torch.distributed._composable import checkpoint  # composable: module names and state_dict keys stay
-
     for block in blocks_of(model, blocks):
-        checkpoint(block)
+        compat.activation_checkpoint(block)
 
 
 def apply_compile(model: nn.Module, blocks: list[str] = ()) -> None:
@@ -463,7 +465,7 @@ def apply_fsdp(
     }
     if param_dtype is not None:  # BatchNorm's fp32 running statistics refuse bf16 weights: its own unit, kept fp32
         fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)}
-        for module in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+        for module in (m for m in model.modules() if isinstance(m, compat.BatchNormBase)):
             fully_shard(module, mesh=mesh, **fp32)
     if expert_mesh is not None:
         for module in blocks_of(model, experts):
@@ -501,6 +503,11 @@ def shard(
         apply_fsdp(net, meshes["fsdp"], blocks, **settings, experts=list(experts), expert_mesh=expert_mesh)
 
 
+# networks parallelize has run on: Lightning calls configure_model per fit/test (a set, not an attribute on the
+# user's module)
+PARALLELIZED: weakref.WeakSet = weakref.WeakSet()
+
+
 def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, **plan) -> None:
     """What the strategy applies to each submodule a LightningModule leaves unsharded after its configure_model
     (configure_then_shard), and what a configure_model may call itself: `shard` with the strategy's meshes,
@@ -516,12 +523,13 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
     import torch.distributed as dist
     from torchmetrics import Metric
 
-    if pl_module._trainer is None:  # load_from_checkpoint calls configure_model outside a Trainer: keep it whole
+    try:
+        strategy = pl_module.trainer.strategy
+    except RuntimeError:  # not attached: load_from_checkpoint calls configure_model outside a Trainer; keep it whole
         return
-    strategy = pl_module.trainer.strategy
-    if getattr(net, "_parallelized", False):
+    if net in PARALLELIZED:
         return
-    net._parallelized = True  # a plain attribute: not in the state dict
+    PARALLELIZED.add(net)
     if not isinstance(strategy, ModelParallel):
         if compile:
             apply_compile(net)
@@ -634,12 +642,11 @@ def local_block(tensor: torch.Tensor, read) -> torch.Tensor:
     import itertools
 
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(tensor.shape)
     local, offset = shape, (0,) * len(shape)
     if isinstance(tensor, DTensor):
-        local, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+        local, offset = compat.local_shape_and_offset(shape, tensor.device_mesh, tensor.placements)
     split = max((d for d in range(len(shape)) if local[d] != shape[d]), default=0)  # whole beyond this dim
     stride = torch.empty(shape, device="meta").stride()
     indices = itertools.product(*(range(o, o + n) for o, n in zip(offset[:split], local[:split], strict=True)))

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from mlproject import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)
@@ -37,7 +37,7 @@ class AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class CPUSyncBatchNorm(_BatchNorm):
+class CPUSyncBatchNorm(compat.BatchNormBase):
     """BatchNorm whose training statistics cover the global batch, on CPU. Not an nn.SyncBatchNorm subclass:
     DDP refuses those on CPU. Made from the nn.SyncBatchNorm that torch's converter built, by swapping its class
     (same attributes)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import shutil
 import tempfile
@@ -15,6 +14,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from mlproject import compat
 from mlproject.checkpoint.convert import download, is_remote
 from mlproject.core.constants import PROJECT_ROOT
 
@@ -68,10 +68,8 @@ class ZeroStrategy(DeepSpeedStrategy):
             return super().setup_distributed()
         reset_seed()  # as DeepSpeedStrategy does, minus its check of CUDA device indices
         self.set_world_ranks()
-        # DeepSpeed's CPU backend builds its shared-memory all-reduce at start (probing compilers, and a ~20 s
-        # JIT compile on first use), though only its inference path uses it; training reduces through gloo.
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # deepspeed.comm.torch is torch
-        self._init_deepspeed_distributed()
+        with compat.no_shm_allreduce():
+            self._init_deepspeed_distributed()
 
     @property
     def root_device(self) -> torch.device:
@@ -194,7 +192,7 @@ class ZeroStrategy(DeepSpeedStrategy):
                     k: v.clone() if k == "step" else torch.zeros_like(flat) for k, v in first.items()
                 }
             if not self.zero_stage_3:
-                zero._lazy_init_hp_params_optimizer_state()
+                compat.zero_init_optimizer_state(zero)
         for group, saved in zip(zero.optimizer.param_groups, optimizer["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})  # lr, initial_lr, betas...
         keys = [None, *(k for k in first or {} if k != "step")]
@@ -204,16 +202,15 @@ class ZeroStrategy(DeepSpeedStrategy):
             for key in keys:
                 # DeepSpeed's safe_set_full_* take the full tensor and keep a slice: read only the slice
                 if self.zero_stage_3:
-                    partition, _ = zero._get_fp32_opt_state_partition(p, False, optim_state_key=key)
-                    start = partition.numel() * zero._get_param_partition_rank(p)
+                    partition, start = compat.zero3_slice(zero, p, key)
                     numel = max(0, min(partition.numel(), p.ds_numel - start))
                     partition[:numel].copy_(read(name, key, start, numel))
-                elif p._hp_mapping is not None:  # stage 1/2: None where this rank holds none of it
-                    address = p._hp_mapping.lp_fragment_address
-                    p._hp_mapping.get_hp_fragment(key).copy_(read(name, key, address.start, address.numel))
+                elif fragment := compat.zero12_fragment(p, key):  # stage 1/2: None where this rank holds none
+                    out, start, numel = fragment
+                    out.copy_(read(name, key, start, numel))
         # the module's parameters from the fp32 master, as after an optimizer step
         if self.zero_stage_3:
             for i in range(len(flats)):
-                zero._reassign_or_swap_out_partitioned_parameters(i)
+                compat.zero3_publish(zero, i)
         else:
             zero.update_lp_params()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 import netrc
 import os
+from collections.abc import Mapping
 
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -60,6 +60,7 @@ def wandb_logger(offline: bool | None = None, id: str | None = None, name: str |
 
 def mlflow_logger(
     tracking_uri: str,
+    experiment_name: str,
     run_name: str,
     tags: list[str] | tuple[str, ...] = (),
     **kwargs,
@@ -71,6 +72,8 @@ def mlflow_logger(
     it when made (a new SQLite store is created then, which ranks racing each other would break); the other
     ranks get a logger that logs nothing, as Lightning's loggers do there.
     """
+    from mlflow.tracking import MlflowClient
+
     if rank() != 0:
         return SilentLogger()
     trial = sweep_trial()
@@ -78,38 +81,42 @@ def mlflow_logger(
         run_name = f"{run_name}-{trial}"
     if tracking_uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(tracking_uri.removeprefix("sqlite:///")), exist_ok=True)
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    runs = experiment and client.search_runs(
+        [experiment.experiment_id], filter_string=f"attributes.run_name = '{run_name}'", max_results=1
+    )
     return ResumingMLFlowLogger(
-        tracking_uri=tracking_uri, run_name=run_name, tags={tag: "true" for tag in tags}, **kwargs
+        tracking_uri=tracking_uri,
+        experiment_name=experiment_name,
+        run_name=run_name,
+        run_id=runs[0].info.run_id if runs else None,  # None: a new run
+        tags={tag: "true" for tag in tags},
+        **kwargs,
     )
 
 
 class ResumingMLFlowLogger(MLFlowLogger):
-    """Lightning's MLFlowLogger, finding its run again by name (MLflow makes its own run ids)."""
-
-    @property
-    @rank_zero_experiment
-    def experiment(self):
-        if not self._initialized and self._run_id is None:
-            self._run_id = _find_mlflow_run(self._mlflow_client, self._experiment_name, self._run_name)
-        return super().experiment
+    """Lightning's MLFlowLogger, keeping the parameters a resumed run logged first."""
 
     @rank_zero_only
     def log_hyperparams(self, params) -> None:
         # MLflow refuses to change a logged parameter: a resumed run keeps its first values (the resumed
         # config, ckpt_path=auto and all, is in the run directory).
-        params = _flatten_dict(_convert_params(params))
+        params = flatten(params if isinstance(params, Mapping) else vars(params))  # a dict or a Namespace
         logged = self.experiment.get_run(self.run_id).data.params
         super().log_hyperparams({k: v for k, v in params.items() if k not in logged})
 
 
-def _find_mlflow_run(client, experiment_name: str, run_name: str) -> str | None:
-    experiment = client.get_experiment_by_name(experiment_name)
-    if experiment is None:
-        return None
-    runs = client.search_runs(
-        [experiment.experiment_id], filter_string=f"attributes.run_name = '{run_name}'", max_results=1
-    )
-    return runs[0].info.run_id if runs else None
+def flatten(params: Mapping, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a/b": 1}, the names Lightning's MLFlowLogger logs nested parameters under."""
+    flat = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            flat |= flatten(value, f"{prefix}{key}/")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def finish_loggers(loggers) -> None:
@@ -120,8 +127,11 @@ def finish_loggers(loggers) -> None:
 
     for logger in loggers:
         logger.finalize("success")
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger._experiment.finish()
+        if isinstance(logger, WandbLogger):
+            import wandb
+
+            if wandb.run is not None:  # the run the logger started (its `experiment` property would start one)
+                wandb.finish()
 
 
 class CSVLogger(_CSVLogger):

@@ -77,8 +77,6 @@ class Experts(nn.Module):
         return torch.cat([F.gelu(r @ fc[e]) @ proj[e] for e, r in enumerate(rows)])
 
     def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         group = self.ep_group
         ep, local = dist.get_world_size(group), _local(self.fc_weight).shape[0]
         # received[r, e]: rows rank r sends to this rank's expert e (rank r holds experts r*local ... r*local+local-1)
@@ -86,7 +84,7 @@ class Experts(nn.Module):
         dist.all_to_all_single(received, counts, group=group)
         send, received = counts.view(ep, local), received.view(ep, local)
         send_splits, recv_splits = send.sum(1).tolist(), received.sum(1).tolist()
-        x = all_to_all_single_autograd(x, recv_splits, send_splits, group)
+        x = exchange(x, recv_splits, send_splits, group)
         # arrived grouped by source rank, then expert: regroup by expert to run each expert once
         by_rank = x.split(received.flatten().tolist())
         by_expert = torch.cat([by_rank[r * local + e] for e in range(local) for r in range(ep)])
@@ -95,7 +93,7 @@ class Experts(nn.Module):
         # (FSDP's own set_gradient_divide_factor needs PREMUL_SUM, which gloo lacks.)
         y = self._run(by_expert, received.sum(0), 1 / ep).split(received.t().flatten().tolist())
         y = torch.cat([y[e * ep + r] for r in range(ep) for e in range(local)])  # back to (source rank, expert)
-        return all_to_all_single_autograd(y, send_splits, recv_splits, group)
+        return exchange(y, send_splits, recv_splits, group)
 
 
 class MoE(nn.Module):
@@ -140,3 +138,11 @@ class MoE(nn.Module):
             "router_z": logits.logsumexp(-1).square().mean(),
             "load": load,
         }
+
+
+def exchange(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of `x`'s rows (send_splits[r] of them to rank r), differentiable: backward sends back."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    return all_to_all_single(out, x, recv_splits, send_splits, group=group)
