@@ -1,4 +1,4 @@
-"""mlproject/compat.py holds every use of another library's private names; each still works as relied on.
+"""mlproject/utils/compat.py holds every use of another library's private names; each still works as relied on.
 
 An upgrade that renames or changes one fails here, not in the middle of a run. The behaviour each entry
 serves is proven end to end elsewhere (resume, resharding, DeepSpeed, MoE tests); here, its private name.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mlproject
-from mlproject import compat
+from mlproject.utils import compat
 
 SRC = Path(mlproject.__file__).parent.parent
 # Public names that look private: Hydra's config key and the documented os._exit.
@@ -64,7 +64,9 @@ def private_uses(path: Path) -> list[str]:
 def test_private_names_are_used_only_in_compat():
     files = [p for p in sorted(SRC.rglob("*.py")) if p.name != "compat.py" and "egg-info" not in str(p)]
     found = [use for path in files for use in private_uses(path)]
-    assert not found, "another library's private name outside mlproject/compat.py (move it there):\n" + "\n".join(found)
+    assert not found, "another library's private name outside mlproject/utils/compat.py (move it there):\n" + "\n".join(
+        found
+    )
 
 
 def test_overridden_hooks_still_exist_upstream():
@@ -90,7 +92,7 @@ def test_overridden_hooks_still_exist_upstream():
 
 def test_exit_now_runs_the_exit_hooks_and_skips_teardown():
     code = (
-        "import atexit, sys; from mlproject import compat\n"
+        "import atexit, sys; from mlproject.utils import compat\n"
         "atexit.register(lambda: print('hook ran'))\n"
         "class Loud:\n    def __del__(self): print('teardown ran')\n"
         "keep = Loud(); print('before', flush=False); compat.exit_now(3)\n"
@@ -206,7 +208,7 @@ def test_deepspeed_internals():
         "from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z\n"
         "from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3\n"
         "from deepspeed.utils.tensor_fragment import tensor_fragment as F\n"
-        "from mlproject import compat\n"
+        "from mlproject.utils import compat\n"
         "with compat.no_shm_allreduce():\n    assert t.build_shm_op() is None\n"
         "assert t.build_shm_op.__name__ == 'build_shm_op'\n"  # restored after the block
         "assert callable(Z._lazy_init_hp_params_optimizer_state)\n"

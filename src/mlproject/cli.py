@@ -223,7 +223,7 @@ def run_as_process(main) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from mlproject import compat
+    from mlproject.utils import compat
 
     dist.destroy_process_group()
     compat.exit_now(0)

@@ -54,7 +54,7 @@ def fake_world(world_size: int, rank: int = 0):
     """A process group of `world_size` ranks in which this process is `rank` and no collective moves data."""
     import torch.distributed as dist
 
-    from mlproject import compat
+    from mlproject.utils import compat
 
     compat.fake_process_group(world_size, rank)
     try:
@@ -206,9 +206,9 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     from hydra.utils import instantiate
     from torchmetrics import Metric
 
-    from mlproject import compat
     from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
     from mlproject.distributed.pipeline import in_flight, stages_per_rank
+    from mlproject.utils import compat
 
     if topology.per_device_batch_size is None:
         return None

@@ -34,8 +34,8 @@ class StudySweeper(OptunaSweeper):
     def sweep(self, arguments: list[str]) -> None:
         import optuna
 
-        from mlproject import compat
         from mlproject.callbacks.pruning import open_storage
+        from mlproject.utils import compat
 
         State = optuna.trial.TrialState
         impl = self.sweeper

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from mlproject import compat
 from mlproject.core.errors import ConfigError
+from mlproject.utils import compat
 
 
 def has_child(module: nn.Module, name: str) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from mlproject import compat
+from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)

@@ -170,7 +170,7 @@ def _from_sharded(path: Path) -> dict[str, Any]:
     # with torch's default weights_only, blind to MLPROJECT_TRUST_CHECKPOINT).
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mlproject import compat
+    from mlproject.utils import compat
 
     check_unpickles(path)
     checkpoint: dict[str, Any] = {}

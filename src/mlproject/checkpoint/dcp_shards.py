@@ -45,8 +45,8 @@ class _Rows(DefaultLoadPlanner):
 
 class DcpShards:
     def __init__(self, path: str | Path):
-        from mlproject import compat
         from mlproject.checkpoint.convert import check_unpickles, load_file
+        from mlproject.utils import compat
 
         check_unpickles(path)  # DCP unpickles .metadata and the small items below in full
         self.path = Path(path)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import Container, DictConfig, OmegaConf
 from torchmetrics import Metric
 
-from mlproject import compat
+from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)

@@ -21,9 +21,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from mlproject import compat
 from mlproject.checkpoint.convert import is_remote
 from mlproject.core.errors import CheckpointError
+from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from mlproject import compat
 from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file
+from mlproject.utils import compat
 
 PREFIX = "_forward_module."  # Lightning's wrapper around the LightningModule, in DeepSpeed's parameter names
 

@@ -54,10 +54,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn.utils import get_total_norm
 
-from mlproject import compat
 from mlproject.checkpoint.storage import save_atomically
 from mlproject.core.constants import EXIT_DIVERGED, EXIT_SIGTERM
 from mlproject.core.errors import ConfigError
+from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)

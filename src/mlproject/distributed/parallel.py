@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from mlproject import compat
+from mlproject.utils import compat
 
 
 def named_meshes(topology, device_type: str) -> dict:

@@ -13,7 +13,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import nn
 
-from mlproject import compat
+from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
 
 log = get_logger(__name__)

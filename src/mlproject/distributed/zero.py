@@ -14,9 +14,9 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from mlproject import compat
 from mlproject.checkpoint.convert import download, is_remote
 from mlproject.core.constants import PROJECT_ROOT
+from mlproject.utils import compat
 
 
 def use_extensions_cache() -> None:
