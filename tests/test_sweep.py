@@ -49,9 +49,7 @@ TINY = ["trainer=cpu", "trainer.max_epochs=1", *[f"++trainer.limit_{s}_batches=2
 def study(sweep_dir):
     import optuna
 
-    from mlproject.callbacks.pruning import open_storage
-
-    return optuna.load_study(study_name="sweep", storage=open_storage(f"sqlite:///{sweep_dir}/study.db"))
+    return optuna.load_study(study_name="sweep", storage=f"sqlite:///{sweep_dir}/study.db")
 
 
 @pytest.mark.slow

@@ -56,17 +56,8 @@ def current_trial():
         return None
     import optuna
 
-    storage = open_storage(sweeper.storage)
+    storage = optuna.storages.RDBStorage(sweeper.storage)
     study_id = storage.get_study_id_from_name(sweeper.study_name)
     trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, hc.job.num)
     study = optuna.load_study(study_name=sweeper.study_name, storage=storage, pruner=instantiate(sweeper.pruner))
     return optuna.trial.Trial(study, trial_id)
-
-
-def open_storage(url: str):
-    """The Optuna storage at `url`. hydra-optuna-sweeper pins optuna < 3, whose RDBStorage predates SQLAlchemy 2
-    (optuna 3.1 adapted to it): it stamps its schema version on a connection it never commits, and every later
-    open fails its version check. Autocommit connections keep the stamp (and every write, one at a time)."""
-    import optuna
-
-    return optuna.storages.RDBStorage(url, engine_kwargs={"isolation_level": "AUTOCOMMIT"})

@@ -193,26 +193,3 @@ def zero12_fragment(param, key: str | None) -> tuple[torch.Tensor, int, int] | N
 def zero3_publish(zero, group: int) -> None:
     """ZeRO-3's module parameters of param group `group` from the fp32 master, as after an optimizer step."""
     zero._reassign_or_swap_out_partitioned_parameters(group)
-
-
-# --- hydra-optuna-sweeper ----------------------------------------------------------------------------------
-# Its OptunaSweeper creates the study itself and tells every finished trial as complete in one method; the
-# study sweeper (hydra_plugins/mlproject_sweeper) owns that loop and reuses its search-space handling.
-
-
-def optuna_search_space(impl, arguments: list[str]) -> tuple[dict, dict]:
-    """(searched, fixed) parameters of the sweeper's `params` config and the command line's sweeps."""
-    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-
-    impl._process_searchspace_config()
-    return create_params_from_overrides([*impl._parse_sweeper_params_config(), *arguments])
-
-
-def optuna_directions(impl) -> list:
-    """The study's directions from the sweeper's `direction` setting."""
-    return impl._get_directions()
-
-
-def optuna_trial_overrides(impl, trials: list, search_space: dict, fixed: dict) -> list:
-    """Each asked trial's parameters as Hydra overrides for its job."""
-    return impl._configure_trials(trials, search_space, fixed)
