@@ -5,7 +5,10 @@ SHELL := /bin/bash
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Two locks, each file in them checked against its hash. LOCK is what running needs (pyproject's dependencies
-# + the run extra): `make install` installs it, for train/eval/sweep/submit/...; the image installs it too.
+# + the run extra): `make install` installs it, for train/eval/sweep/...
+# feature: kubernetes
+# The image (Dockerfile) installs it too.
+# /feature: kubernetes
 # DEV_LOCK adds the dev extra (tests, lint, notebooks): `make install-dev` installs it, for test/lint/format.
 # `make lock` remakes both from pyproject.toml's ranges, DEV_LOCK constrained by LOCK, so every package in both
 # has one pin; torch is pinned to the build TORCH names, found where your pip finds it or on TORCH_INDEX (then
@@ -28,7 +31,7 @@ OUT    ?= model.pt
 # On Linux the order comes from make's own arguments in /proc; elsewhere assignments come first (MAKEOVERRIDES
 # lists them last first), then deletions. ARGS is for what make would read as its own: options such as
 # `--multirun`, or `-m` (make takes -m as its own flag and ignores it). The shell splits ARGS.
-OURS      = VENV LOCK DEV_LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES
+OURS      = VENV LOCK DEV_LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES FEATURES
 quote     = '$(subst ','\'',$(1))'
 reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
@@ -122,20 +125,23 @@ format: install-dev ## ruff auto-fix and format
 prepare: install ## prepare a dataset on disk ahead of training: make prepare ARGS="data=tokens data.source='texts/*.txt'"
 	$(PY) -m mlproject.prepare $(OVERRIDES)
 
-.PHONY: plan submit submit-dryrun
+.PHONY: plan
 plan: install ## memory per rank of each layout, and the one to use: make plan ARGS="experiment=gpt_large trainer.num_nodes=8"
 	$(PY) -m mlproject.plan $(OVERRIDES)
 
-submit: install ## submit training to SLURM, or Kubernetes with cluster=kubernetes (plans first; ARGS="--no-plan ..." skips it): make submit ARGS="cluster.nodes=2 trainer=gpu"
+# feature: slurm, kubernetes
+.PHONY: submit submit-dryrun
+submit: install ## submit training to the cluster's scheduler (plans first; ARGS="--no-plan ..." skips it): make submit ARGS="trainer=gpu cluster.gpus_per_node=8"
 	$(PY) -m mlproject.submit $(OVERRIDES)
 
-submit-dryrun: install ## print the sbatch script (or, with cluster=kubernetes, the TrainJob manifest) `make submit` would submit
+submit-dryrun: install ## print the job (the scheduler's script or manifest) `make submit` would submit
 	$(PY) -m mlproject.submit --dry-run $(OVERRIDES)
+# /feature: slurm, kubernetes
 
 .PHONY: rename
-rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=digits] (see README)
+rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=digits] [FEATURES=wandb] (see README)
 	@test -n "$(NAME)" || { echo "error: give the package name, e.g. make rename NAME=my_project" >&2; exit 2; }
-	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES))
+	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES)) $(if $(filter command line,$(origin FEATURES)),--features=$(FEATURES))
 
 clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info

@@ -1,6 +1,6 @@
-"""Turn a copy of the template into your project: rename the package everywhere and drop unwanted examples.
+"""Turn a copy of the template into your project: rename the package everywhere, drop unwanted examples and features.
 
-    python scripts/rename_project.py my_project [--examples digits] [--project-name ...] [--author ...]
+    python scripts/rename_project.py my_project [--examples digits] [--features slurm,wandb] [--project-name ...]
 
 The one step behind `make rename NAME=...`, copier's task and cookiecutter's hook, so all three give the
 same tree. It is deterministic and idempotent because `copier update` replays it on the old and the new
@@ -149,6 +149,65 @@ EXAMPLES = {
 }
 
 
+@dataclass(frozen=True)
+class Feature:
+    paths: tuple[str, ...]  # globs of the files that are this feature's alone: they go when it is left out
+    extras: tuple[str, ...] = ()  # pyproject extras it needs; one goes (with its locked packages) when no kept
+    # feature needs it
+
+
+# What a project may leave out. Code, configs, tests and docs that several features share mark a feature's lines
+# with whole-line comments, `# feature: NAME` ... `# /feature: NAME` (`<!-- ... -->` in Markdown; `NAME, NAME`:
+# kept when either is): a left-out feature's lines go, a kept one's markers go. Nothing the template runs reads them.
+FEATURES = {
+    "slurm": Feature(
+        paths=(
+            "src/{pkg}/cluster/slurm*.py",  # the sbatch script and checks; Requeue, SLURM's side of the signals
+            "configs/cluster/slurm.yaml",
+            "configs/hydra/launcher/slurm.yaml",  # sweeps' trials as SLURM jobs
+            "tests/cluster/conftest.py",  # a real SLURM on this host
+            "tests/cluster/test_ci_rule.py",
+            "tests/cluster/test_slurm*.py",
+            "tests/cluster/test_submit.py",
+            "docs/slurm.md",
+        ),
+        extras=("slurm",),
+    ),
+    "kubernetes": Feature(
+        paths=(
+            "src/{pkg}/cluster/kubernetes.py",
+            "configs/cluster/kubernetes.yaml",
+            "tests/cluster/test_kubernetes*.py",
+            "tests/cluster/kubeflow_crds",
+            "docs/kubernetes.md",
+            "Dockerfile",  # the pods' image
+            ".dockerignore",
+        ),
+    ),
+    "sweeps": Feature(  # Optuna studies, and trials in parallel processes (submitit's local launcher)
+        paths=(
+            "src/hydra_plugins",
+            "src/{pkg}/callbacks/pruning.py",
+            "configs/hparams_search",
+            "configs/hydra/sweeper",
+            "configs/hydra/launcher/local.yaml",
+            "tests/test_sweep.py",
+            "tests/test_search_spaces.py",
+            "tests/test_study_sweeper.py",
+            "tests/cluster/test_slurm_sweep.py",
+        ),
+        extras=("optuna", "slurm"),
+    ),
+    "wandb": Feature(
+        paths=("src/{pkg}/loggers/wandb.py", "configs/logger/wandb.yaml", "tests/helpers/wandb_records.py"),
+        extras=("wandb",),
+    ),
+    "mlflow": Feature(paths=("src/{pkg}/loggers/mlflow.py", "configs/logger/mlflow.yaml"), extras=("mlflow",)),
+}
+MARKER = re.compile(r"^[ \t]*(?:#|<!--)[ \t]*(/?)feature:[ \t]*([\w, ]+?)[ \t]*(?:-->)?[ \t]*$")
+LOCKS = "requirements*.lock"
+
+
 def fail(msg: str) -> None:
     print(f"rename_project: {msg}", file=sys.stderr)
     raise SystemExit(2)
@@ -247,6 +306,103 @@ def retell(root: Path, kept: list[str]) -> None:
             path.write_text(text)
 
 
+def kept_features(keep: list[str]) -> list[str]:
+    unknown = sorted(set(keep) - set(FEATURES))
+    if unknown:
+        fail(f"unknown feature(s) {', '.join(unknown)}; choose from {', '.join(FEATURES)}")
+    return [name for name in FEATURES if name in keep]
+
+
+def keep_feature_lines(text: str, kept: list[str], where: str) -> str:
+    """`text` without the lines marked for a left-out feature, and without the markers."""
+    lines, open_blocks = [], []
+    for n, line in enumerate(text.splitlines(keepends=True), 1):
+        marker = MARKER.match(line)
+        if not marker:
+            if all(set(names) & set(kept) for names in open_blocks):
+                lines.append(line)
+            continue
+        names = [name.strip() for name in marker.group(2).split(",")]
+        if unknown := sorted(set(names) - set(FEATURES)):
+            fail(f"{where}:{n}: unknown feature {', '.join(unknown)} (FEATURES in scripts/rename_project.py)")
+        if not marker.group(1):
+            open_blocks.append(names)
+        elif not open_blocks or open_blocks.pop() != names:
+            fail(f"{where}:{n}: closes feature {', '.join(names)}, which is not the open block")
+    if open_blocks:
+        fail(f"{where}: feature {', '.join(open_blocks[-1])} is never closed")
+    kept_text = "".join(lines)
+    return kept_text.rstrip("\n") + "\n" if text.endswith("\n") and kept_text.strip() else kept_text  # no blank tail
+
+
+def drop_features(root: Path, pkg: str, kept: list[str]) -> None:
+    """Remove left-out features' files and marked lines, their pyproject extras and the packages only those need."""
+    for name, feature in FEATURES.items():
+        for pattern in feature.paths if name not in kept else ():
+            for path in sorted(root.glob(pattern.format(pkg=pkg))):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in project_files(root):
+        data = path.read_bytes()
+        if b"feature:" in data and b"\0" not in data:
+            text = data.decode()
+            if (kept_text := keep_feature_lines(text, kept, str(path.relative_to(root)))) != text:
+                path.write_text(kept_text)
+            if not kept_text.strip():  # every line marked (e.g. what two features share): it goes with them
+                path.unlink()
+    needed = {extra for name in kept for extra in FEATURES[name].extras}
+    dropped = {extra for feature in FEATURES.values() for extra in feature.extras} - needed
+    pyproject = root / "pyproject.toml"
+    if dropped and pyproject.exists():
+        text = pyproject.read_text()
+        for extra in dropped:
+            text = re.sub(rf"^{re.escape(extra)} = \[.*\n", "", text, flags=re.M)
+
+        def without_dropped(ref: re.Match) -> str:  # "pkg[wandb,s3]" -> "pkg[s3]"; none left: the reference goes
+            extras = [e for e in ref.group(1).split(",") if e.strip() not in dropped]
+            return f'"{pkg}[{",".join(extras)}]"' if extras else ""
+
+        text = re.sub(rf'"{re.escape(pkg)}\[([^\]]*)\]"', without_dropped, text)
+        pyproject.write_text(text)
+        for lock in sorted(root.glob(LOCKS)):
+            prune_lock(lock, text)
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+VIA = re.compile(rf"^\s+#\s+(?:via\s+)?({NAME})", re.M)  # uv's `# via x` or, one a line, `#   x`
+REQUIREMENT = re.compile(rf'"({NAME})\s*(?:\[[^\]]*\])?\s*(?:[<>=!~;][^"]*)?"')  # a quoted one in pyproject
+
+
+def prune_lock(lock: Path, pyproject: str) -> None:
+    """Keep the pins that pyproject's remaining requirements reach through uv's `# via` lines: the lock stays
+    hash-checked and in step with pyproject without a resolver (or the network) at generation time."""
+    header, *blocks = re.split(r"\n(?=[A-Za-z0-9])", lock.read_text())
+    names = [canonical(re.match(NAME, block).group()) for block in blocks]
+    via = {name: {canonical(v) for v in VIA.findall(block)} for name, block in zip(names, blocks, strict=True)}
+    required = {canonical(r) for r in REQUIREMENT.findall(pyproject)}
+    project = canonical(re.search(r'^name = "([^"]+)"', pyproject, re.M).group(1))
+    needed, todo = set(), [name for name in names if project in via[name] and name in required]
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo += [n for n in names if name in via[n]]
+    gone = set(names) - needed
+
+    def still_needed_by(line: str) -> bool:  # a `#   x` line naming a package that went
+        return not re.fullmatch(rf"\s+#\s+{NAME}", line) or canonical(line.split()[-1]) not in gone
+
+    kept = [
+        "\n".join(filter(still_needed_by, block.split("\n")))
+        for name, block in zip(names, blocks, strict=True)
+        if name in needed
+    ]
+    lock.write_text("\n".join([header, *kept]))
+
+
 def strip_template_only(root: Path) -> None:
     for path in project_files(root):
         if path.suffix == ".md":
@@ -285,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", help="the new package name: a lower-case Python identifier, e.g. my_project")
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project to change (default: here)")
     parser.add_argument("--examples", default=",".join(EXAMPLES), help=f"comma-separated, of {', '.join(EXAMPLES)}")
+    parser.add_argument("--features", default=",".join(FEATURES), help=f"comma-separated, of {', '.join(FEATURES)}")
     parser.add_argument("--project-name", default="", help="human-readable name: README title")
     parser.add_argument("--description", default="", help="one line for pyproject.toml")
     parser.add_argument("--author", default="", help="pyproject.toml's author")
@@ -299,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     if old is not None and old in new:
         fail(f"{new!r} contains the old name {old!r}, which would stay in every file; choose another")
     kept = kept_examples(root, old or new, [e.strip() for e in args.examples.split(",") if e.strip()])
+    features = kept_features([f.strip() for f in args.features.split(",") if f.strip()])
     for rel in TEMPLATE_ONLY:
         path = root / rel
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -306,9 +464,11 @@ def main(argv: list[str] | None = None) -> None:
     if old is not None:
         rename(root, old, new)
     drop_examples(root, new, kept)
+    drop_features(root, new, features)
     retell(root, kept)
     set_metadata(root, args.project_name, args.description, args.author, args.license)
-    print(f"rename_project: package {new}, examples {', '.join(kept)}" + (f" (was {old})" if old else ""))
+    chosen = f"examples {', '.join(kept)}, features {', '.join(features) or 'none'}"
+    print(f"rename_project: package {new}, {chosen}" + (f" (was {old})" if old else ""))
 
 
 if __name__ == "__main__":

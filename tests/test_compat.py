@@ -35,7 +35,7 @@ OVERRIDES = {
         "_should_remove_checkpoint",  # keeps the checkpoint a run resumed from in object storage
     },
     "mlproject.distributed.syncbn.CPUSyncBatchNorm": {"_check_input_dim"},  # any input rank
-    "mlproject.utils.loggers._AppendingWriter": {"_check_log_dir_exists", "_record_new_keys"},  # appends
+    "mlproject.loggers.csv_logs._AppendingWriter": {"_check_log_dir_exists", "_record_new_keys"},  # appends
 }
 # Set on every class by a metaclass (ABCMeta, autograd.Function's), not overrides of ours.
 METACLASS = {"_abc_impl", "_backward_cls"}

@@ -1,19 +1,17 @@
 """Every logger gets the same things: the resolved config, the tags, the final test metrics and the best
-checkpoint's path. Each is read back with its own reader (wandb offline, MLflow through its client)."""
+checkpoint's path. Each is read back with its own reader (e.g. TensorBoard's event files)."""
 
 from __future__ import annotations
 
 import ast
 import csv
 import functools
-import json
 import operator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.processes import read_metrics, run
-from tests.helpers.wandb_records import records
 
 RUN = ["extras.print_config=false", "trainer=cpu", "debug=limit", "trainer.max_epochs=1", "tags=[dev,every]"]
 # Keys of the resolved config each logger must hold: top-level, nested, and an interpolation (the run directory)
@@ -21,8 +19,7 @@ CONFIG = ("seed", "model.optimizer.lr", "data.batch_size", "paths.output_dir")
 
 
 def config(hparams: dict, flat: bool) -> dict:
-    """CONFIG's values from a logger's hyperparameters, nested (CSV, W&B) or flattened with "/" (TensorBoard,
-    MLflow)."""
+    """CONFIG's values from a logger's hyperparameters, nested (e.g. CSV) or flattened with "/" (TensorBoard)."""
     if flat:
         return {k: hparams[k.replace(".", "/")] for k in CONFIG}
     return {k: functools.reduce(operator.getitem, k.split("."), hparams) for k in CONFIG}
@@ -61,7 +58,12 @@ def read_tensorboard(run_dir: Path) -> dict:
     }
 
 
+# feature: wandb
 def read_wandb(run_dir: Path) -> dict:
+    import json
+
+    from tests.helpers.wandb_records import records
+
     (path,) = run_dir.glob("wandb/offline-run-*/*.wandb")
     hparams, summary, tags, history = {}, {}, None, {}
     for record in records(path):
@@ -80,6 +82,8 @@ def key(item) -> str:
     return item.key or "/".join(item.nested_key)  # W&B sends "test/acc" in either form
 
 
+# /feature: wandb
+# feature: mlflow
 def read_mlflow(run_dir: Path) -> dict:
     from mlflow.tracking import MlflowClient
 
@@ -95,11 +99,18 @@ def read_mlflow(run_dir: Path) -> dict:
     }
 
 
+# /feature: mlflow
 def best(where: dict) -> dict:
     return {"best_checkpoint": where.get("best_checkpoint")}
 
 
-READERS = {"csv": read_csv, "tensorboard": read_tensorboard, "wandb": read_wandb, "mlflow": read_mlflow}
+READERS = {"csv": read_csv, "tensorboard": read_tensorboard}
+# feature: wandb
+READERS["wandb"] = read_wandb
+# /feature: wandb
+# feature: mlflow
+READERS["mlflow"] = read_mlflow
+# /feature: mlflow
 
 
 @pytest.mark.slow
@@ -117,6 +128,7 @@ def test_every_logger_gets_config_tags_test_metrics_and_best_checkpoint(tmp_path
     assert {name: read(run_dir) for name, read in READERS.items()} == dict.fromkeys(READERS, expected)
 
 
+# feature: mlflow
 @pytest.mark.slow
 def test_mlflow_run_continues_when_training_resumes(tmp_path):
     """One MLflow run for the training run, found again by its name after a resume (MLflow makes its own ids)."""
@@ -144,3 +156,4 @@ def test_mlflow_logs_from_rank_zero_only(tmp_path):
     steps = [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")]
     assert sorted(steps) == sorted(set(steps)) and len(steps) == 5  # debug=limit: 5 steps
     assert len(client.get_metric_history(found.info.run_id, "test/acc")) == 1
+    # /feature: mlflow

@@ -23,9 +23,11 @@ CASES = {
         "--cfg=job",
     ],
     "sweep model.optimizer.lr=0.005,0.01 seed=1": ["--multirun", "model.optimizer.lr=0.005,0.01", "seed=1"],
-    'submit-dryrun ARGS="cluster=slurm cluster.nodes=4 cluster.gpus_per_node=8"': [
-        "--dry-run", "cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8",
+    # feature: slurm, kubernetes
+    'submit-dryrun ARGS="trainer=gpu cluster.nodes=4 cluster.gpus_per_node=8"': [
+        "--dry-run", "trainer=gpu", "cluster.nodes=4", "cluster.gpus_per_node=8",
     ],
+    # /feature: slurm, kubernetes
     "eval CKPT=a.ckpt data.batch_size=7": ["ckpt_path=a.ckpt", "data.batch_size=7"],
     "export CKPT=a.ckpt OUT=m.pt": ["ckpt_path=a.ckpt", "out=m.pt"],
     "eval \"CKPT=my runs/it's.ckpt\" data.batch_size=7": ["ckpt_path=my runs/it's.ckpt", "data.batch_size=7"],

@@ -107,6 +107,7 @@ def test_the_plan_counts_the_model_states_and_says_the_batch_is_unknown(user_cod
     assert "activations: ? (not counted): the datamodule sets its batch size" in capsys.readouterr().out
 
 
+# feature: slurm
 def test_submit_renders_the_job_with_its_memory_plan(user_code, capsys, no_sbatch):
     from mlproject import submit
 
@@ -116,6 +117,7 @@ def test_submit_renders_the_job_with_its_memory_plan(user_code, capsys, no_sbatc
     assert "#SBATCH --gpus-per-node=2" in script and "data=digits_lht model=mnist" in script
 
 
+# /feature: slurm
 def test_k_fold_of_a_plain_datamodule_is_refused_in_one_line(tmp_path):
     code, err = run_in_process("train", *QUIET, *PROJECT, "data.folds=2", log_dir=tmp_path)
     assert code == 2 and err == (

@@ -15,7 +15,6 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from mlproject import plan as planner
-from mlproject import submit
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.topology import Topology
 from tests.helpers.gpt import TINY_GPT
@@ -166,7 +165,10 @@ def test_plan_prints_the_table(capsys):
     assert "per rank of 8; 1.00 GiB per device" in out and "fsdp <- use" in out
 
 
+# feature: slurm
 def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
+    from mlproject import submit
+
     # ~85M parameters: DDP needs 1.3 GiB of model states per GPU, FSDP over 32 GPUs 1/32 of that
     big = ["model=gpt", "data=text", "model.net.n_layer=12", "model.net.n_embd=768", "data.block_size=64"]
     gpus = ["cluster.nodes=4", "cluster.gpus_per_node=8", "trainer=gpu", "strategy=ddp"]
@@ -178,6 +180,7 @@ def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
     assert submit.main(["--dry-run", "--no-plan", *too_small]) == 0  # the flag skips the plan
 
 
+# /feature: slurm
 def test_a_pipeline_stage_per_node(compose_cfg):
     """Two nodes of 8: pp with a stage per node comes between HSDP and FSDP (1F1B on 2 micro-batches per
     stage), and each of its ranks holds half the blocks sharded over the node: ~1/16 of the model, as FSDP

@@ -18,7 +18,14 @@ from tests.helpers.processes import PYTHON, clean_env, make_command, run
 
 README = PROJECT_ROOT / "README.md"
 NOT_RUN = {"test", "test-fast", "lint", "format", "install"}  # the suite itself, and the tools around it
-MODULES = {"train": "train", "eval": "eval", "export": "export", "submit-dryrun": "submit"}
+MODULES = {
+    "train": "train",
+    "eval": "eval",
+    "export": "export",
+    # feature: slurm
+    "submit-dryrun": "submit",
+    # /feature: slurm
+}
 
 
 def readme_commands() -> list[str]:
@@ -40,10 +47,12 @@ def test_readme_command_runs(command, trained_run, tmp_path):
     )
     target, args = shlex.split(command)[0], make_command(command)
     module = MODULES[target]
+    # feature: slurm
     if module == "submit":  # renders the sbatch script only; tests/cluster/ submits for real
         proc = run(module, *args, log_dir=tmp_path)
         assert "#SBATCH --nodes=" in proc.stdout
         return
+    # /feature: slurm
     if module == "export":  # writes one file, no run directory
         cmd = [PYTHON, "-m", "mlproject.export", *args]
         subprocess.run(cmd, cwd=PROJECT_ROOT, env=clean_env(), check=True, capture_output=True, timeout=120)

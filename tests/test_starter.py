@@ -70,8 +70,10 @@ def template(tmp_path_factory, tool_env) -> Path:
     return repo
 
 
-def copier_copy(template: Path, dst: Path, env: dict) -> Path:
-    data = [f"--data={key}={value}" for key, value in {**ANSWERS, "examples": '["digits"]'}.items()]
+def copier_copy(template: Path, dst: Path, env: dict, **answers: str | None) -> Path:
+    """copier copy of the template's v1 with --defaults; `answers` override ANSWERS (None: copier's default)."""
+    answers = {k: v for k, v in {**ANSWERS, "examples": '["digits"]', **answers}.items() if v is not None}
+    data = [f"--data={key}={value}" for key, value in answers.items()]
     cmd = [sys.executable, "-m", "copier", "copy", "--trust", "--defaults", "--vcs-ref=v1", *data, template, dst]
     sh(*cmd, cwd=dst.parent, env=env)
     return dst
@@ -277,15 +279,18 @@ def test_dropping_an_example_leaves_no_reference_to_it(tmp_path, dropped):
 SUBSETS = [
     ",".join(c) for n in range(1, len(rename_project.EXAMPLES) + 1) for c in combinations(rename_project.EXAMPLES, n)
 ]
+MINIMAL = "digits"  # the smallest project: this example and no feature (copier's preset=minimal)
 
 
-@pytest.fixture(scope="module", params=SUBSETS)
+@pytest.fixture(scope="module", params=[*SUBSETS, f"{MINIMAL} alone"])
 def subset_project(request, tmp_path_factory) -> tuple[Path, list[str]]:
-    """A project keeping one subset of the examples (none is refused: test_rename_refuses_before_changing_anything)."""
+    """A project keeping one subset of the examples (none is refused: test_rename_refuses_before_changing_anything),
+    with every feature; and the smallest project, MINIMAL without any."""
     root = tmp_path_factory.mktemp("subset") / "cool-net"
     copy_tree(PROJECT_ROOT, root)
-    rename_project.main(["cool_net", f"--root={root}", f"--examples={request.param}"])
-    return root, request.param.split(",")
+    examples, alone = request.param.removesuffix(" alone"), request.param.endswith(" alone")
+    rename_project.main(["cool_net", f"--root={root}", f"--examples={examples}", *(["--features="] if alone else [])])
+    return root, examples.split(",")
 
 
 def test_every_subset_describes_what_it_keeps(subset_project):
@@ -349,3 +354,108 @@ def test_a_gpt_only_project_configs_never_mention_digits(tmp_path):
         if re.search(r"digits|data=images", line)
     ]
     assert not mentions
+
+
+# What a project without the feature never mentions in src/ and configs/: its code, options and comments.
+WORDS = {
+    "slurm": r"slurm",  # submitit stays with sweeps: its local launcher runs trials in parallel
+    "kubernetes": r"kubernetes|kubeflow|trainjob",
+    "sweeps": r"optuna|hparams_search|study_sweeper",
+    "wandb": r"wandb|W&B",
+    "mlflow": r"mlflow",
+}
+
+
+def mentions(root: Path, pattern: str, folders=("src", "configs")) -> list[str]:
+    return [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for folder in folders
+        for path in sorted((root / folder).rglob("*"))
+        if path.is_file() and path.suffix in (".py", ".yaml", ".md")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(pattern, line, re.I)
+    ]
+
+
+def keep(text: str, features: list[str]) -> str:
+    return rename_project.keep_feature_lines(text, features, "f")
+
+
+def test_feature_lines_go_with_their_feature(capsys):
+    text = "a\n# feature: wandb\nb\n  # feature: slurm, mlflow\nc\n  # /feature: slurm, mlflow\n# /feature: wandb\nd\n"
+    assert keep(text, ["wandb"]) == "a\nb\nd\n"
+    assert keep(text, ["wandb", "mlflow"]) == "a\nb\nc\nd\n"  # either of the names keeps a block
+    assert keep(text, ["mlflow"]) == "a\nd\n"  # inside a left-out block: gone too
+    assert keep("x\n<!-- feature: sweeps -->\ny\n<!-- /feature: sweeps -->\n", []) == "x\n"
+    assert keep("x\n\n\n# feature: sweeps\ny\n# /feature: sweeps\n", []) == "x\n"  # no blank tail left
+    for bad, error in [
+        ("# feature: nope\n# /feature: nope\n", "f:1: unknown feature nope"),
+        ("# feature: wandb\n", "f: feature wandb is never closed"),
+        ("# feature: wandb\n# /feature: mlflow\n", "f:2: closes feature mlflow, which is not the open block"),
+    ]:
+        with pytest.raises(SystemExit):
+            keep(bad, ["wandb"])
+        assert error in capsys.readouterr().err
+
+
+def test_every_feature_marker_in_the_template_pairs_up(capsys):
+    """A typo in a marker would leave a block in every project, or take the rest of a file with it."""
+    for path in rename_project.project_files(PROJECT_ROOT):
+        data = path.read_bytes()
+        if b"feature:" in data and b"\0" not in data:
+            try:
+                keep(data.decode(), list(rename_project.FEATURES))
+            except SystemExit:
+                pytest.fail(f"{path.relative_to(PROJECT_ROOT)}: {capsys.readouterr().err}")
+
+
+@pytest.fixture(scope="module", params=list(rename_project.FEATURES))
+def without_feature(request, tmp_path_factory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("without") / "cool-net"
+    copy_tree(PROJECT_ROOT, root)
+    kept = [name for name in rename_project.FEATURES if name != request.param]
+    rename_project.main(["cool_net", f"--root={root}", f"--features={','.join(kept)}"])
+    return root, request.param
+
+
+def test_a_left_out_feature_leaves_nothing_behind(without_feature):
+    """Its files, its lines in shared files, its extras and the locked packages only it needed go; the rest is
+    a clean project: it compiles, lints, and its locks still match its pyproject."""
+    root, feature = without_feature
+    assert not [
+        p for pattern in rename_project.FEATURES[feature].paths for p in root.glob(pattern.format(pkg="cool_net"))
+    ]
+    assert not mentions(root, WORDS[feature])
+    assert not mentions(root, r"^\W*/?feature:", ("src", "configs", "tests", "docs"))  # no marker left
+    env = clean_env(PYTHONPATH=str(root / "src"))
+    # I001 aside: a new package name can sort after hydra_plugins, where the template's sorted before it
+    sh(sys.executable, "-m", "ruff", "check", "--no-cache", "--extend-ignore=I001", ".", cwd=root, env=env)
+    sh(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".", cwd=root, env=env)
+    sh(
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_lock.py",
+        "tests/test_layers.py",
+        cwd=root,
+        env=env,
+    )
+    needed = {extra for name, f in rename_project.FEATURES.items() if name != feature for extra in f.extras}
+    pyproject = (root / "pyproject.toml").read_text()
+    for extra in set(rename_project.FEATURES[feature].extras) - needed:
+        template_line = re.search(rf"^{extra} = \[(.*)\]", (PROJECT_ROOT / "pyproject.toml").read_text(), re.M)
+        assert not re.search(rf"^{extra} = ", pyproject, re.M) and f"{extra}," not in pyproject
+        for package in re.findall(r'"([A-Za-z0-9_.-]+)', template_line.group(1)):  # its requirements' names
+            for lock in root.glob("requirements*.lock"):
+                assert not re.search(rf"^{re.escape(package)}==", lock.read_text(), re.M | re.I), (lock.name, package)
+
+
+def test_copier_preset_minimal_keeps_digits_and_no_feature(template, tmp_path, tool_env):
+    root = copier_copy(template, tmp_path / "small", tool_env, examples=None, preset="minimal")  # no other answer
+    answers = (root / ".copier-answers.yml").read_text()
+    assert "preset: minimal" in answers and "sweeps: false" in answers
+    assert not [m for pattern in WORDS.values() for m in mentions(root, pattern)]
+    assert not rename_project.present(root, "cool_net", rename_project.EXAMPLES["gpt"])

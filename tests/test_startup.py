@@ -32,14 +32,20 @@ def imported_by(module: str, *args: str, cwd) -> list[str]:
     return json.loads(line.removeprefix("IMPORTED "))
 
 
+# feature: slurm, kubernetes
 def test_submit_plans_without_deepspeed():
     # gpus_per_node and gpu_memory_gb: submit plans the configured layout, which fits; ZeRO's estimators stay unread
     # (a dry run writes nothing)
     args = ("--dry-run", "trainer=gpu", "cluster.gpu_memory_gb=80")
-    assert imported_by("mlproject.submit", *args, cwd=ROOT) == []
+    # feature: slurm
+    assert imported_by("mlproject.submit", *args, "cluster=slurm", cwd=ROOT) == []
+    # /feature: slurm
+    # feature: kubernetes
     assert imported_by("mlproject.submit", *args, "cluster=kubernetes", cwd=ROOT) == []
+    # /feature: kubernetes
 
 
+# /feature: slurm, kubernetes
 def test_a_short_run_imports_no_optional_library(tmp_path):
     args = ("trainer=cpu", "++trainer.fast_dev_run=true", "test=false", f"paths.log_dir={tmp_path}")
     assert imported_by("mlproject.train", *args, cwd=ROOT) == []
@@ -53,15 +59,20 @@ def test_a_short_run_imports_no_optional_library(tmp_path):
         ({"TORCHELASTIC_RUN_ID": "j", "RANK": "0", "GROUP_RANK": "0"}, False),
         ({"TORCHELASTIC_RUN_ID": "j", "RANK": "3", "GROUP_RANK": "0"}, True),  # rank 0's agent stops it
         ({"TORCHELASTIC_RUN_ID": "j", "RANK": "8", "GROUP_RANK": "1"}, False),  # another node's agent would not
+        # feature: slurm
         ({"SLURM_PROCID": "5", "SLURM_KILL_BAD_EXIT": "1"}, True),
         ({"SLURM_PROCID": "5"}, False),  # srun without --kill-on-bad-exit: it would wait for a rank 0 that refused
         ({"SLURM_PROCID": "0", "SLURM_KILL_BAD_EXIT": "1"}, False),
+        # /feature: slurm
     ],
 )
 def test_rank_0_checks_for_the_ranks_its_refusal_ends(monkeypatch, env, skips):
-    for var in ("_MLPROJECT_CHECKED_BY_RANK_0", "TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "SLURM_PROCID"):
+    for var in ("_MLPROJECT_CHECKED_BY_RANK_0", "TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("SLURM_KILL_BAD_EXIT", raising=False)  # in the parametrized env of a case only
+    # feature: slurm
+    for var in ("SLURM_PROCID", "SLURM_KILL_BAD_EXIT"):  # SLURM_KILL_BAD_EXIT: in the parametrized env of a case only
+        monkeypatch.delenv(var, raising=False)
+    # /feature: slurm
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert checked_by_rank_0() is skips

@@ -101,7 +101,7 @@ def test_refused_run_removes_the_directory_it_created(tmp_path):
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("run_id", "../../.."), ("run_id", "a/b"), ("task_name", "../x"), ("task_name", "x\\n#SBATCH --wrap=touch")],
+    [("run_id", "../../.."), ("run_id", "a/b"), ("task_name", "../x"), ("task_name", "x\\n--wrap=touch")],
 )
 def test_names_are_one_folder(key, value, project):
     """A path or a newline in a name is refused before Hydra creates or writes anything (a newline can only come
@@ -207,7 +207,13 @@ def test_auto_resume_without_a_run_id_says_it_starts_fresh(tmp_path, monkeypatch
     from mlproject.checkpoint.resume import resolve_ckpt_path
     from mlproject.core.resolvers import run_id
 
-    for var in ("MLPROJECT_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+    for var in (
+        "MLPROJECT_RUN_ID",
+        "TORCHELASTIC_RUN_ID",
+        # feature: slurm
+        "SLURM_JOB_ID",
+        # /feature: slurm
+    ):
         monkeypatch.delenv(var, raising=False)
     new = run_id()
     with caplog.at_level(logging.WARNING):

@@ -182,11 +182,11 @@ def instantiate_all(cfg: DictConfig, group: str) -> list:
 def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):
     """cfg.trainer with the strategy, callbacks and loggers of their groups.
 
-    Plugins from config (e.g. cluster=slurm's SLURMEnvironment) are kept next to the ones passed here:
+    Plugins from config (e.g. a cluster config's cluster environment) are kept next to the ones passed here:
     a `plugins=` argument alone would replace them. SyncBatchNorm goes through our plugin, which also
     works on CPU (torch's SyncBatchNorm is CUDA-only). Every run checks for signals every N steps rather
-    than Lightning's every step, and for a non-finite loss (cluster/requeue.py); cluster=slurm's Requeue is
-    such a check already.
+    than Lightning's every step, and for a non-finite loss (cluster/requeue.py), unless a callback of the
+    config does already (a cluster's subclass of Signals).
     """
     from lightning.pytorch.callbacks import LearningRateMonitor
     from omegaconf import OmegaConf

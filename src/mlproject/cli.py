@@ -38,7 +38,9 @@ HABITS = {
     "trainer/mps": "trainer.accelerator=mps",
     "logger/many_loggers": "logger=many",
     "callbacks/rich_progress_bar": "callbacks=progress_bar (rich on a terminal, plain lines in a log)",
+    # feature: sweeps
     "hparams_search/mnist_optuna": "hparams_search=<{}> (the search space of each model)",
+    # /feature: sweeps
     "experiment/example": "experiment=<{}>",
 }
 

@@ -446,6 +446,7 @@ def print_plan(result: Plan) -> None:
         print(f"no layout fits in {size(result.memory)}: {NO_FIT}")
 
 
+# feature: slurm, kubernetes
 def check_fits(overrides: list[str]) -> None:
     """Refuse, in one line naming the fix, a job whose configured layout would not fit its GPUs (for submit)."""
     # the other layouts only to name one that fits: a fitting job imports no DeepSpeed for its estimators
@@ -459,6 +460,7 @@ def check_fits(overrides: list[str]) -> None:
     raise ConfigError(f"{needed} (`make plan` shows the table); {fix}, or skip this check with --no-plan")
 
 
+# /feature: slurm, kubernetes
 def main(argv: list[str] | None = None) -> int:
     from hydra import initialize_config_dir
 

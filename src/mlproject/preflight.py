@@ -167,8 +167,8 @@ def checked_by_rank_0() -> bool:
     """Whether global rank 0 makes, for this process, the checks that cost a compose or a model build: where its
     refusal ends this process too. The local ranks launch_local_ranks starts after rank 0's checks; torchrun's workers
     on rank 0's node (their agent stops them when one exits; another node's agent would leave its workers waiting for
-    the rendezvous); srun's tasks under SLURM_KILL_BAD_EXIT=1 (srun's --kill-on-bad-exit, inherited by its tasks).
-    Every other process checks for itself."""
+    the rendezvous); and, under a scheduler that ends a job whose rank 0 exits, that job's other ranks. Every other
+    process checks for itself."""
     from mlproject.distributed.launch import CHECKED_BY_RANK_0
 
     env = os.environ
@@ -176,13 +176,15 @@ def checked_by_rank_0() -> bool:
         return True
     if "TORCHELASTIC_RUN_ID" in env:
         return env.get("RANK", "0") != "0" and env.get("GROUP_RANK", "0") == "0"
-    return env.get("SLURM_KILL_BAD_EXIT") == "1" and env.get("SLURM_PROCID", "0") != "0"
+    # feature: slurm
+    if env.get("SLURM_KILL_BAD_EXIT") == "1":  # srun's tasks under its --kill-on-bad-exit, inherited by the tasks
+        return env.get("SLURM_PROCID", "0") != "0"
+    # /feature: slurm
+    return False
 
 
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
-    from mlproject.cluster import kubernetes
-    from mlproject.cluster.slurm import check_in_job
     from mlproject.distributed.launch import check_deepspeed, check_launch
     from mlproject.distributed.strategies import check_model_parallel, check_plan
     from mlproject.plan import meta_network
@@ -194,8 +196,16 @@ def preflight(cfg: DictConfig) -> Topology:
         check_override_types(cfg)
     check_ranges(cfg)  # before the topology divides by any of them
     topology = Topology.of(cfg)
-    check_in_job(cfg)
+    # feature: slurm
+    from mlproject.cluster import slurm
+
+    slurm.check_in_job(cfg)
+    # /feature: slurm
+    # feature: kubernetes
+    from mlproject.cluster import kubernetes
+
     kubernetes.check_in_job(cfg)
+    # /feature: kubernetes
     check_accelerator(cfg)
     check_lr_scaling(cfg)
     topology.validate()

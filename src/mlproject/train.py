@@ -25,8 +25,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from mlproject.checkpoint.resume import checkpoint_to_test, resolve_ckpt_path
     from mlproject.checkpoint.state import RunState
     from mlproject.checkpoint.storage import PortableCheckpointIO
+    from mlproject.loggers import finish_loggers
     from mlproject.training.loaders import with_template_samplers
-    from mlproject.utils.loggers import finish_loggers
     from mlproject.utils.rank_logging import get_logger
     from mlproject.utils.report import apply_extras, log_hyperparameters, log_outcome, print_summary, write_metrics
 

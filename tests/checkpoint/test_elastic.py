@@ -1,4 +1,4 @@
-"""Elastic restarts without SLURM: torchrun --max-restarts restarts a job whose worker died, and the
+"""Elastic restarts under torchrun alone: torchrun --max-restarts restarts a job whose worker died, and the
 restarted workers resume from last.ckpt (ckpt_path=auto), ending bitwise equal to an uninterrupted run."""
 
 from __future__ import annotations

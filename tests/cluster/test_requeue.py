@@ -1,5 +1,5 @@
 """SIGTERM to a local run (no scheduler): last.ckpt at the next optimizer step, exit 143, and `ckpt_path=auto`
-continues bitwise. The SLURM side (SIGUSR1, preemption) is in test_slurm.py."""
+continues bitwise."""
 
 from __future__ import annotations
 

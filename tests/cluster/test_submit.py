@@ -29,7 +29,7 @@ def test_dry_run_four_nodes_of_eight_gpus(capsys, compose_cfg, no_sbatch):
     assert overrides[0] == "cluster=slurm" and "ckpt_path=auto" in overrides
     cfg = compose_cfg(*overrides)
     assert (cfg.trainer.num_nodes, cfg.trainer.devices, Topology.of(cfg).world_size) == (4, 8, 32)
-    assert cfg.callbacks.requeue._target_ == "mlproject.cluster.requeue.Requeue"
+    assert cfg.callbacks.requeue._target_ == "mlproject.cluster.slurm_requeue.Requeue"
     assert cfg.trainer.plugins[0].auto_requeue is False  # one requeue owner: the callback
 
 

@@ -1,7 +1,7 @@
 """No collective of our own per training step: what a step issues is the strategy's minimum.
 
 Real 2-process gloo runs of the tiny GPT with the default callbacks, the CSV logger (writing every 2
-steps) and the SLURM Requeue callback active (added as a callback: no SLURM needed to build it). A test
+steps) and the Signals callback (cluster/requeue.py) named in the config, ahead of the counter. A test
 callback wraps the real torch.distributed functions (and the functional collectives DTensor uses) and
 counts the calls of every step. Signals are agreed every 4 steps here (cluster.signal_check_every_n_steps):
 one all-reduce at those steps, none in between; Lightning's per-step SIGTERM broadcast is gone.
@@ -33,8 +33,8 @@ TINY = [
     "trainer.limit_val_batches=0",
     "trainer.log_every_n_steps=2",
     "test=false",
-    "+callbacks.requeue._target_=mlproject.cluster.requeue.Requeue",
-    f"+callbacks.requeue.every_n_steps={EVERY}",
+    "+callbacks.signals._target_=mlproject.cluster.requeue.Signals",
+    f"+callbacks.signals.every_n_steps={EVERY}",
 ]
 RUNS = {
     "ddp": ["strategy=ddp", "+callbacks.count._target_=tests.distributed.collectives.CountCollectives"],
@@ -86,7 +86,7 @@ def test_steps_issue_only_the_strategys_collectives(runs, name):
         minimum = {"all_gather_single": 2 * units, "reduce_scatter_single": units, "all_reduce": 1} if units else {}
         for step, got in enumerate(steps[1:], start=2):  # the first step also sets up (not steady state)
             expected = dict(minimum)
-            if step % EVERY == 0:  # Requeue's check: it runs before the counter (callbacks in config order)
+            if step % EVERY == 0:  # Signals' check: it runs before the counter (callbacks in config order)
                 expected["all_reduce"] = expected.get("all_reduce", 0) + 1
             assert got == expected, f"step {step}"
 

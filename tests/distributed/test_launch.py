@@ -100,10 +100,18 @@ def test_a_killed_rank_ends_the_job_at_once(tmp_path, rank):
     assert time.time() - float(stamp.read_text()) < 20
 
 
-@pytest.mark.parametrize("var", [*EXTERNAL_RANK_VARS, "SLURM_NTASKS"])
+LAUNCHER_VARS = [
+    *EXTERNAL_RANK_VARS,
+    # feature: slurm
+    "SLURM_NTASKS",  # srun's
+    # /feature: slurm
+]
+
+
+@pytest.mark.parametrize("var", LAUNCHER_VARS)
 def test_ranks_started_by_another_launcher_start_none_themselves(monkeypatch, var):
-    """Under torchrun, Kubeflow, MPI, jsrun or srun every rank is started already: none may start more."""
-    for v in (*EXTERNAL_RANK_VARS, "SLURM_NTASKS"):
+    """Under another launcher (torchrun, MPI, jsrun, ...) every rank is started already: none may start more."""
+    for v in LAUNCHER_VARS:
         monkeypatch.delenv(v, raising=False)
     assert not launched_externally()
     monkeypatch.setenv(var, "2")

@@ -34,7 +34,15 @@ def test_port_of_a_finished_run_is_free(compose_cfg, monkeypatch):
             client.recv(1)
     with socket.socket() as plain, pytest.raises(OSError, match="in use"):
         plain.bind(("", port))  # TIME_WAIT indeed: a bind without SO_REUSEADDR is refused
-    for var in ("LOCAL_RANK", "RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NTASKS"):
+    for var in (
+        "LOCAL_RANK",
+        "RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+        # feature: slurm
+        "SLURM_NTASKS",
+        # /feature: slurm
+    ):
         monkeypatch.delenv(var, raising=False)
     cfg = compose_cfg(*DDP)
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -36,7 +36,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     the variables of a `make test ARGS=...` that started the suite (a nested make would take them as its own)."""
     drop = (
         "MLPROJECT_RUN_ID",
+        # feature: slurm
         "SLURM_",
+        # /feature: slurm
         "RANK",
         "LOCAL_RANK",
         "WORLD_SIZE",
@@ -50,8 +52,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     # One thread per process: the multi-process tests run several processes on few cores, where torch's
     # default thread pools only spin against each other, and inductor compiles in the process instead of starting
     # a pool of compile workers (each a new interpreter importing torch) in every process that compiles.
-    env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
-    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    # feature: wandb
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    # /feature: wandb
     env.update(extra)
     return env
 

@@ -60,7 +60,7 @@ def checkpoint_to_test(trainer) -> tuple[str | None, str]:
 
 def continue_run_of_checkpoint(args: list[str]) -> None:
     """`ckpt_path=<log_dir>/<task>/runs/<run_id>/checkpoints/<name>` without `run_id=`: resume in that run's
-    directory, so its logs, metrics.csv and W&B run (id `<task>-<run_id>`) continue. Sets the id every rank
+    directory, so its logs and metrics.csv continue (and a logger's run named `<task>-<run_id>`). Sets the id every rank
     and every resolver of `${run_id:}` reads (core/resolvers.run_id)."""
     if os.environ.get("MLPROJECT_RUN_ID") or any(arg.startswith("run_id=") for arg in args):
         return

@@ -1,2 +1,3 @@
-"""Running on a cluster: the sbatch script (slurm.py), the Kubeflow TrainJob (kubernetes.py), the job size both
-check (allocation.py) and preemption-safe requeue (requeue.py)."""
+"""Running on a cluster: signals and divergence agreed by all ranks, so that a stopped or preempted job saves and
+resumes (requeue.py); and each scheduler's own module: the job it writes, the checks before submission and inside
+the job."""

@@ -19,8 +19,7 @@ from datetime import datetime
 import yaml
 from omegaconf import DictConfig
 
-from mlproject.cluster import allocation
-from mlproject.cluster.names import container_arg, given_run_id, single_line
+from mlproject.cluster.jobs import Job, check_allocation, given_run_id, single_line
 from mlproject.core.errors import ConfigError
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
@@ -46,9 +45,9 @@ WHOLE = {  # key: least value
 }
 
 
-def check_allocation(cfg: DictConfig) -> None:
+def check_job_size(cfg: DictConfig) -> None:
     """With cluster=kubernetes, the Trainer must ask for exactly what the pods are given."""
-    allocation.check_allocation(cfg, "kubernetes", "procs_per_node", WHOLE, "torchrun starts")
+    check_allocation(cfg, "kubernetes", "procs_per_node", WHOLE, "torchrun starts")
 
 
 def check_in_job(cfg: DictConfig) -> None:
@@ -58,7 +57,7 @@ def check_in_job(cfg: DictConfig) -> None:
             "cluster=kubernetes runs under torchrun in the pods of a TrainJob; submit it with "
             "`python -m mlproject.submit cluster=kubernetes ...` (or drop cluster=kubernetes to run here)"
         )
-    check_allocation(cfg)
+    check_job_size(cfg)
 
 
 def job_name(cfg: DictConfig) -> str:
@@ -122,11 +121,32 @@ def check_before_submit(cfg: DictConfig, overrides: list[str]) -> Topology:
     """What preflight would refuse in the pods, minus what only the nodes can tell (their GPUs); the job's name
     and where it writes."""
     check_ranges(cfg)
-    check_allocation(cfg)
+    check_job_size(cfg)
     check_namespace(cfg)
     job_name(cfg)
     log_dir(cfg, overrides)
     return Topology.of(cfg).validate()
+
+
+def container_arg(arg: str) -> str:
+    """`arg` as a container's command argument that reaches the process as written: Kubernetes expands $(VAR) in
+    command and args, and reads $$ as a literal $."""
+    return arg.replace("$", "$$")
+
+
+def job(cfg: DictConfig, topology: Topology, overrides: list[str]) -> Job:
+    """The manifest, for `kubectl apply -f -`."""
+    name, ns = job_name(cfg), check_namespace(cfg)
+
+    def submitted(stdout: str) -> str:
+        return (
+            f"applied TrainJob {name} in namespace {ns} with `kubectl apply -f -`:\n{stdout.rstrip()}\n"
+            f"  watch: kubectl get trainjob {name} -n {ns} -w\n"
+            f"  logs:  kubectl logs -n {ns} -f -l {JOBSET_NAME}={name}\n"
+            f"  run directory: {run_dir(cfg, overrides, name)} (on the shared volume)"
+        )
+
+    return Job(manifest(cfg, topology, overrides, name), "manifest", ["kubectl", "apply", "-f", "-"], submitted)
 
 
 def manifest(cfg: DictConfig, topology: Topology, overrides: list[str], name: str) -> str:

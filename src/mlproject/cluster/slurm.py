@@ -1,15 +1,17 @@
-"""The sbatch script of a training job, written from the composed config, and the checks before submission."""
+"""The sbatch script of a training job, written from the composed config, the checks before submission, and the
+check inside the job (preflight)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mlproject.cluster import allocation
-from mlproject.cluster.names import sbatch_word
+from mlproject.cluster.jobs import Job, check_allocation, given_run_id, single_line
 from mlproject.core.errors import ConfigError
 from mlproject.core.ranges import check_ranges
 from mlproject.core.topology import Topology
@@ -26,11 +28,12 @@ RENDEZVOUS = [
 # the key a refused #SBATCH value is named by, where it is not cluster.<option>
 SOURCES = {"job-name": "task_name", "chdir": "the current directory", "output": "paths.log_dir"}
 WHOLE = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 1, "signal_seconds": 1}
+PLAIN = re.compile(r"[\w@%+=:,./-]+")  # no blank, quote, backslash or '#': an #SBATCH argument as it is
 
 
-def check_allocation(cfg: DictConfig) -> None:
+def check_job_size(cfg: DictConfig) -> None:
     """With cluster=slurm, the Trainer must ask for exactly what the sbatch header allocates."""
-    allocation.check_allocation(cfg, "slurm", "tasks_per_node", WHOLE, "DDP runs")
+    check_allocation(cfg, "slurm", "tasks_per_node", WHOLE, "DDP runs")
 
 
 def check_in_job(cfg: DictConfig) -> None:
@@ -40,16 +43,38 @@ def check_in_job(cfg: DictConfig) -> None:
             "cluster=slurm runs one srun task per device inside a SLURM job; submit it with "
             "`python -m mlproject.submit ...` (or drop cluster=slurm to run here)"
         )
-    check_allocation(cfg)
+    check_job_size(cfg)
 
 
-def check_before_submit(cfg: DictConfig) -> Topology:
+def check_before_submit(cfg: DictConfig, overrides: list[str]) -> Topology:
     """What preflight would refuse in the job, minus what only the compute nodes can tell (their GPUs)."""
-    if (cfg.get("cluster") or {}).get("scheduler") != "slurm":
-        raise ConfigError("mlproject.submit needs a SLURM cluster config; use cluster=slurm (the default of submit)")
     check_ranges(cfg)
-    check_allocation(cfg)
+    check_job_size(cfg)
     return Topology.of(cfg).validate()
+
+
+def sbatch_word(key: str, value: object) -> str:
+    """`value` as one argument of an #SBATCH line. sbatch reads these lines itself (src/sbatch/opt.c,
+    _get_argument): blanks split arguments, an unquoted '#' starts a comment, quotes group and a backslash escapes
+    (inside quotes too), up to the end of the line."""
+    text = single_line(key, value, "an #SBATCH line")
+    return text if PLAIN.fullmatch(text) else '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
+
+
+def job(cfg: DictConfig, topology: Topology, overrides: list[str]) -> Job:
+    """The sbatch script, for `sbatch --parsable`; its log goes to <log_dir>/<task_name>/slurm/<job id>.out."""
+    log_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "slurm"
+    output = str(log_dir).replace("%", "%%") + "/%j.out"  # sbatch expands %<letter> in the path, %% is a %
+
+    def submitted(stdout: str) -> str:
+        job_id = stdout.strip().split(";")[0]  # "<job id>[;<cluster>]"
+        run_dir = Path(cfg.paths.log_dir).resolve() / cfg.task_name / "runs" / (given_run_id(cfg) or job_id)
+        return f"submitted SLURM job {job_id}\n  log: {log_dir / (job_id + '.out')}\n  run directory: {run_dir}"
+
+    script = sbatch_script(cfg, topology, overrides, workdir=os.getcwd(), output=output)
+    # The job's run_id must be its SLURM_JOB_ID; an id exported in this shell would override it.
+    env = {k: v for k, v in os.environ.items() if k != "MLPROJECT_RUN_ID"}
+    return Job(script, "sbatch script", ["sbatch", "--parsable"], submitted, log_dir=log_dir, env=env)
 
 
 def sbatch_script(cfg: DictConfig, topology: Topology, overrides: list[str], workdir: str, output: str) -> str:

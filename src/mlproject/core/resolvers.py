@@ -14,15 +14,18 @@ _GENERATED_RUN_ID = [""]  # the id run_id() made up in this process, if it did (
 
 
 def run_id() -> str:
-    """One id per job, the same on every rank and every requeue.
+    """One id per job, the same on every rank and every restart.
 
-    SLURM_JOB_ID survives requeues; TORCHELASTIC_RUN_ID is shared by torchrun's workers. Otherwise the
-    first process creates an id and exports it, so that the processes Lightning launches for the other
+    A scheduler's job id survives its requeues; TORCHELASTIC_RUN_ID is shared by torchrun's workers. Otherwise
+    the first process creates an id and exports it, so that the processes Lightning launches for the other
     ranks (which inherit the environment) write into the same directory.
     """
-    for var in ("MLPROJECT_RUN_ID", "SLURM_JOB_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
+    if os.environ.get("MLPROJECT_RUN_ID"):
+        return os.environ["MLPROJECT_RUN_ID"]
+    # feature: slurm
+    if os.environ.get("SLURM_JOB_ID"):
+        return os.environ["SLURM_JOB_ID"]
+    # /feature: slurm
     if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return os.environ["TORCHELASTIC_RUN_ID"]
     rid = f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"

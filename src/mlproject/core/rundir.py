@@ -43,9 +43,21 @@ def check_names(cfg: DictConfig) -> None:
             )
 
 
+# what the launchers that start a job's processes set to each one's rank
+RANK_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    # feature: slurm
+    "SLURM_PROCID",
+    # /feature: slurm
+)
+
+
 def is_primary() -> bool:
     """The job's first process: the one a user or scheduler started as rank 0 (other ranks share its directory)."""
-    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "NODE_RANK", "GROUP_RANK"))
+    return all(os.environ.get(v, "0") == "0" for v in RANK_VARS)
 
 
 def _start_time(pid: int) -> str | None:
@@ -85,14 +97,16 @@ def _me() -> dict:
         "pid": os.getpid(),
         "start": _start_time(os.getpid()),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # feature: slurm
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        # /feature: slurm
         "command": " ".join(sys.argv),
     }
 
 
 def lock(run_dir: Path) -> None:
     """Take `<run_dir>/run.lock`, or refuse in one line naming the live run that holds it. A lock whose owner has
-    ended (a killed run, a SLURM job requeued under its own id) is taken over, and said so."""
+    ended (a killed run, a job its scheduler requeued under the same id) is taken over, and said so."""
     path, me = run_dir / LOCK, _me()
     try:
         with open(path, "x") as f:  # exclusive create: of two runs starting together, one wins
@@ -102,8 +116,11 @@ def lock(run_dir: Path) -> None:
         if owner is None:  # written this instant by a run starting beside us, or left half-written by a crash
             time.sleep(0.5)
             owner = _read(path)
-        requeued = owner and me["slurm_job_id"] and owner.get("slurm_job_id") == me["slurm_job_id"]
-        if owner and not requeued and _alive(owner):
+        ended = False  # the owner is this job before its scheduler requeued it: ended, whatever its pid says
+        # feature: slurm
+        ended = bool(owner and me["slurm_job_id"] and owner.get("slurm_job_id") == me["slurm_job_id"])
+        # /feature: slurm
+        if owner and not ended and _alive(owner):
             raise ConfigError(
                 f"run directory {run_dir} is in use by another run (pid {owner['pid']} on {owner['host']}, since "
                 f"{owner.get('since')}); give this run another run_id=, or wait for that one to end (if it has "

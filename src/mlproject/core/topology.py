@@ -1,7 +1,7 @@
 """The job's shape, built once from the composed config and validated once (torchtitan's ParallelDims idea).
 
 Every question of the kind "how many processes, which of them read different batches, which strategy" is
-answered here: preflight, the launch checks, the data's batch split and the SLURM renderer all read it.
+answered here: preflight, the launch checks, the data's batch split and a cluster's job writer all read it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from mlproject.core.topology import Topology
 # Strategies that run in the processes they are started in: `single` has one, `ddp_spawn` forks its own.
 NO_RELAUNCH = ("single", "ddp_spawn")
 
-# Set in every process by a launcher that starts all ranks itself: torchrun, Kubeflow (RANK), Open MPI,
+# Set in every process by a launcher that starts all ranks itself: torchrun (RANK), Open MPI,
 # MPICH / Intel MPI, LSF's jsrun (as Lightning's cluster environments read them).
 EXTERNAL_RANK_VARS = ("LOCAL_RANK", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JSM_NAMESPACE_SIZE")
 # set for the local ranks launch_local_ranks starts: local rank 0 passed preflight with the same config
@@ -30,8 +30,12 @@ CHECKED_BY_RANK_0 = "_MLPROJECT_CHECKED_BY_RANK_0"
 
 
 def launched_externally() -> bool:
-    """Another launcher started this process as one of the job's ranks (SLURM: one task per process)."""
-    return any(v in os.environ for v in EXTERNAL_RANK_VARS) or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    """Another launcher started this process as one of the job's ranks."""
+    external = any(v in os.environ for v in EXTERNAL_RANK_VARS)
+    # feature: slurm
+    external = external or int(os.environ.get("SLURM_NTASKS", "1")) > 1  # srun: one task per process
+    # /feature: slurm
+    return external
 
 
 def check_launch(cfg: DictConfig, topology: Topology) -> None:
@@ -40,12 +44,19 @@ def check_launch(cfg: DictConfig, topology: Topology) -> None:
         raise ConfigError(  # deepspeed.utils.groups caches the first trial's process groups for the process's life
             "strategy=deepspeed_* in a multirun whose trials run in this one process: DeepSpeed keeps the first "
             "trial's process groups, so the next trial cannot make its own; add hydra/launcher=local "
-            "(each trial a process of its own) or run the sweep on SLURM"
+            "(each trial a process of its own)"
+            # feature: slurm
+            " or run the sweep on SLURM"
+            # /feature: slurm
         )
     if nodes > 1 and cfg.get("run_id") == generated_run_id():
         raise ConfigError(
             f"trainer.num_nodes={nodes}: every node must write into one run directory, but this node made up "
-            "its own run id; pass the same run_id=<name> on every node (SLURM and torchrun --rdzv-id do it for you)"
+            "its own run id; pass the same run_id=<name> on every node (torchrun --rdzv-id does it for you"
+            # feature: slurm
+            ", and SLURM's job id"
+            # /feature: slurm
+            ")"
         )
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) and os.environ.get("TORCHELASTIC_RUN_ID") == "none":
         raise ConfigError(  # the restarted group would dial the dead round's addresses, even for a plain script
@@ -64,7 +75,11 @@ def check_launch(cfg: DictConfig, topology: Topology) -> None:
         raise ConfigError(
             f"trainer.num_nodes={nodes} but {' and '.join(missing)} not set: nodes find each other through "
             "MASTER_ADDR/MASTER_PORT and know their place by NODE_RANK; set them on every node, or start "
-            "with torchrun or SLURM (docs/strategies.md)"
+            "with torchrun"
+            # feature: slurm
+            " or SLURM"
+            # /feature: slurm
+            " (docs/strategies.md)"
         )
     check_master_port(cfg, topology)
 
@@ -141,7 +156,9 @@ def launch_local_ranks(cfg: DictConfig, topology: Topology) -> None:
         or topology.strategy in ("", *NO_RELAUNCH)
         or not HydraConfig.initialized()  # train(cfg) called from Python: Lightning launches as usual
         or launched_externally()
+        # feature: slurm
         or "SLURM_NTASKS" in os.environ  # Lightning's SLURMEnvironment: srun starts the ranks
+        # /feature: slurm
         or (cfg.get("cluster") or {}).get("scheduler")
     ):
         return

@@ -22,8 +22,10 @@ KNOWN_WARNINGS = [
     # Lightning 2.6's own pytree helper (lightning/pytorch/utilities/_pytree.py) builds torch's LeafSpec, deprecated in
     # torch 2.13; fixed upstream by a Lightning release, not by us
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # feature: mlflow
     # logger=mlflow: MLflow's SQLite store configures a SQLAlchemy loader strategy that SQLAlchemy 2.1 deprecates
     (r"The ``noload`` loader strategy is deprecated", DeprecationWarning),
+    # /feature: mlflow
 ]
 
 
@@ -69,19 +71,17 @@ def log_hyperparameters(cfg: DictConfig, model, trainer) -> None:
 def log_outcome(cfg: DictConfig, trainer, metrics: dict[str, float], best_checkpoint: str) -> None:
     """The run's outcome to every logger, each in the form it shows: the best checkpoint's path, and the
     final test metrics. Lightning logged those as metrics during test; TensorBoard also gets them beside the
-    config, for its HParams view. Rank 0: the loggers write there."""
+    config, for its HParams view. A logger of ours with its own form has `log_outcome` (mlproject/loggers/).
+    Rank 0: the loggers write there."""
     if rank() != 0 or not trainer.loggers:
         return
-    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+    from lightning.pytorch.loggers import TensorBoardLogger
 
     test = {k: v for k, v in metrics.items() if k.startswith("test/")}
     best = {"best_checkpoint": best_checkpoint} if best_checkpoint else {}
     for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger):  # parameters cannot change, tags can (a resumed run's best moves)
-            for key, value in best.items():
-                logger.experiment.set_tag(logger.run_id, key, value)
-        elif isinstance(logger, WandbLogger):
-            logger.experiment.summary.update(best)
+        if callable(log := getattr(type(logger), "log_outcome", None)):
+            log(logger, best)
         elif isinstance(logger, TensorBoardLogger):
             hparams = OmegaConf.to_container(cfg, resolve=True)
             logger.log_hyperparams({**hparams, **best}, metrics=test, step=trainer.global_step)
