@@ -96,7 +96,9 @@ HABITS = {
     "trainer=ddp": "here: strategy=ddp trainer.devices=<n>",
     "trainer=ddp_sim": "here: trainer=cpu strategy=ddp trainer.devices=2",
     "logger=many_loggers": "here: logger=many",
+    # feature: sweeps
     "hparams_search=mnist_optuna": f"here: hparams_search=<{options('hparams_search')}>",
+    # /feature: sweeps
     "experiment=example": f"here: experiment=<{options('experiment')}>",
 }
 CASES |= {
