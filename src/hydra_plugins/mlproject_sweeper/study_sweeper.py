@@ -99,7 +99,7 @@ class StudySweeper(Sweeper):
             if sum(failures) / len(returns) > self.max_failure_rate:
                 for ret in returns:
                     ret.return_value  # noqa: B018 (raises the first failure with its traceback)
-            to_go -= sum(not failed for failed in failures)
+            to_go -= len(returns)  # a failed trial counts: a sweep whose every trial fails (no metric) ends
         # this process's study caches the trials it asked for: what the trials told it itself is in storage
         write_summary(optuna.load_study(study_name=study.study_name, storage=storage) if storage else study, sweep_dir)
 
