@@ -98,6 +98,7 @@ HABITS = {
     "logger=many_loggers": "here: logger=many",
     # feature: sweeps
     "hparams_search=mnist_optuna": f"here: hparams_search=<{options('hparams_search')}>",
+    "hydra/sweeper=optuna": "here: override /hydra/sweeper: study, without hydra-optuna-sweeper's _target_ line",
     # /feature: sweeps
     "experiment=example": f"here: experiment=<{options('experiment')}>",
 }

@@ -40,6 +40,8 @@ HABITS = {
     "callbacks/rich_progress_bar": "callbacks=progress_bar (rich on a terminal, plain lines in a log)",
     # feature: sweeps
     "hparams_search/mnist_optuna": "hparams_search=<{}> (the search space of each model)",
+    # its recipes' sweeper, hydra-optuna-sweeper: ours takes the same keys
+    "hydra/sweeper/optuna": "override /hydra/sweeper: study, without hydra-optuna-sweeper's _target_ line",
     # /feature: sweeps
     "experiment/example": "experiment=<{}>",
 }
@@ -49,7 +51,7 @@ def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> Confi
     """A misspelled group, option or key, with the closest name that exists. Hydra's own advice for an unknown
     key is `+key=value`, which adds a key nothing reads: the run then fails far away, or silently ignores it."""
     text = str(exc)
-    if m := re.search(r"Could not find '(\w+)/([\w.-]+)'", text):
+    if m := re.search(r"Could not find '([\w/]+)/([\w.-]+)'", text):
         group, option = m.groups()
         if here := HABITS.get(f"{group}/{option}"):
             options = "|".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
