@@ -35,10 +35,12 @@ STRATEGIES = [
     "single",
     "ddp",
     "ddp_spawn",
+    # feature: deepspeed
     "deepspeed_stage_1",
     "deepspeed_stage_2",
     "deepspeed_stage_3",
     "deepspeed_stage_3_offload",
+    # /feature: deepspeed
     "fsdp",
     "hsdp",
     "tp",
@@ -50,7 +52,7 @@ STRATEGIES = [
 # rows that are not a strategy config alone; "single" and "moe" run on one GPU, the rest on every visible GPU
 ROWS = {"moe": ["model=gpt_moe", "strategy=single"], "moe_ep": ["model=gpt_moe", "strategy=fsdp"]}
 ONE_GPU = ("single", "moe")
-WARMUP_STEPS = 5  # first steps (allocator, kernels, compilation, DeepSpeed buckets) are not steady state
+WARMUP_STEPS = 5  # first steps (allocator, kernels, compilation, a strategy's buckets) are not steady state
 
 
 def sync_check(first: int, last: int):

@@ -25,14 +25,17 @@ from pathlib import Path
 # Not walked outside git: version control, environments, run outputs, caches, the old install's metadata.
 SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "logs", "outputs", "multirun", "wandb", "__pycache__"}
 SKIP_SUFFIXES = (".egg-info", "_cache")
-# The template's own starter machinery, meaningless in a project made from it, and its development log of
-# measurements (benchmarks/README.md, how to measure, goes along).
+# The template's own starter machinery, meaningless in a project made from it, its development log of
+# measurements (benchmarks/README.md, how to measure, goes along) and its test-speed infrastructure.
 TEMPLATE_ONLY = (
     "copier.yml",
     ".copier-answers.yml.jinja",
     "starters",
     "tests/test_starter.py",
     "benchmarks/RESULTS.md",
+    ".github/workflows/projects.yml",  # CI of the projects the template generates
+    "tests/helpers/warm.py",  # the template's test speed-up: a project's tests run as its users' processes do
+    "tests/test_warm.py",
 )
 # copier's record of the template's address and version: renaming in it would break `copier update`.
 ANSWERS_FILE = ".copier-answers.yml"
@@ -203,6 +206,24 @@ FEATURES = {
         extras=("wandb",),
     ),
     "mlflow": Feature(paths=("src/{pkg}/loggers/mlflow.py", "configs/logger/mlflow.yaml"), extras=("mlflow",)),
+    "deepspeed": Feature(  # strategy=deepspeed_stage_*: ZeRO 1/2/3, its CPU shims and its checkpoints
+        paths=(
+            "src/{pkg}/distributed/zero.py",
+            "src/{pkg}/checkpoint/zero_shards.py",
+            "configs/strategy/deepspeed*.yaml",
+            "tests/distributed/test_deepspeed*.py",
+            "tests/checkpoint/test_deepspeed.py",
+        ),
+        extras=("deepspeed",),
+    ),
+    "object_storage": Feature(  # checkpoints under an s3:// paths.ckpt_dir, through fsspec and s3fs
+        paths=(
+            "src/{pkg}/checkpoint/object_storage.py",
+            "tests/checkpoint/conftest.py",  # the S3 endpoint: moto's server
+            "tests/checkpoint/test_s3*.py",
+        ),
+        extras=("s3",),
+    ),
 }
 MARKER = re.compile(r"^[ \t]*(?:#|<!--)[ \t]*(/?)feature:[ \t]*([\w, ]+?)[ \t]*(?:-->)?[ \t]*$")
 LOCKS = "requirements*.lock"
@@ -260,7 +281,7 @@ def rename(root: Path, old: str, new: str) -> None:
             path.rmdir()
 
 
-def present(root: Path, pkg: str, example: Example) -> bool:
+def present(root: Path, pkg: str, example: Example | Feature) -> bool:
     return any(any(root.glob(p.format(pkg=pkg))) for p in example.paths)
 
 

@@ -16,18 +16,21 @@ register_resolvers()  # as the entry points do: composed configs use ${run_id:},
 
 
 def pytest_configure(config):
-    """Child runs start from a warm interpreter (tests/helpers/warm.py): imports once, not once a process."""
+    """In the template's repository, child runs start from a warm interpreter (tests/helpers/warm.py): imports
+    once, not once a process. A project made from the template has no such file: its runs start cold."""
     import os
 
     import torch
 
     from mlproject.core.constants import PROJECT_ROOT
-    from tests.helpers import processes, warm
 
     # one thread, as child runs have (clean_env): this process trains beside other processes on few cores
     torch.set_num_threads(1)
     controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
-    if os.environ.get("MLPROJECT_COLD_TESTS") != "1" and not controller:  # xdist's workers run the tests
+    cold = os.environ.get("MLPROJECT_COLD_TESTS") == "1" or not (PROJECT_ROOT / "tests/helpers/warm.py").exists()
+    if not cold and not controller:  # xdist's workers run the tests
+        from tests.helpers import processes, warm
+
         processes.PYTHON, config._warm_server = warm.start(PROJECT_ROOT, processes.clean_env())
 
 

@@ -1,7 +1,7 @@
 """mlproject/utils/compat.py holds every use of another library's private names; each still works as relied on.
 
 An upgrade that renames or changes one fails here, not in the middle of a run. The behaviour each entry
-serves is proven end to end elsewhere (resume, resharding, DeepSpeed, MoE tests); here, its private name.
+serves is proven end to end elsewhere (resume, resharding, strategy and MoE tests); here, its private name.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ OVERRIDES = {
     "mlproject.checkpoint.storage.ModelCheckpoint": {
         "_monitor_candidates",  # NaN for the monitored metric until the first validation
         "_save_checkpoint",  # written under <name>.tmp and renamed into place
+        # feature: object_storage
         "_should_remove_checkpoint",  # keeps the checkpoint a run resumed from in object storage
+        # /feature: object_storage
     },
     "mlproject.distributed.syncbn.CPUSyncBatchNorm": {"_check_input_dim"},  # any input rank
     "mlproject.loggers.csv_logs._AppendingWriter": {"_check_log_dir_exists", "_record_new_keys"},  # appends
@@ -201,6 +203,7 @@ def test_lightning_loop_and_signal_internals():
     assert notes == [(15, None)] and trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
 
 
+# feature: deepspeed
 def test_deepspeed_internals():
     pytest.importorskip("deepspeed", reason="strategy=deepspeed_* needs DeepSpeed (the deepspeed extra)")
     code = (
@@ -219,3 +222,6 @@ def test_deepspeed_internals():
     # its own process: importing DeepSpeed probes the accelerator, which other tests' forks should not inherit
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# /feature: deepspeed

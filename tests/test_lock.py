@@ -90,7 +90,7 @@ def test_dev_lock_holds_the_runtime_lock_as_pinned(lock):
     assert differ == {}, f"{lock.name} and {dev_lock(lock).name} pin these apart; run `make lock`"
     assert [dep for dep in pins if hashes[dep] != dev_hashes[dep]] == []
     # Running needs neither the test tools nor the notebooks: the split is real.
-    assert {"pytest", "ruff", "moto", "ipykernel"} <= set(dev_pins) - set(pins)
+    assert {"pytest", "ruff", "ipykernel"} <= set(dev_pins) - set(pins)
 
 
 def test_locks_cover_the_installs():

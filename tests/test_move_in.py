@@ -209,6 +209,7 @@ def test_it_trains_under_single_ddp_and_fsdp_and_resumes_a_killed_run_bitwise(tm
     assert_same_optimizer(ends[0]["optimizer_states"][0], ends[1]["optimizer_states"][0], tol=0)
 
 
+# feature: deepspeed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_it_trains_under_deepspeed_stage_2(tmp_path):
@@ -216,6 +217,7 @@ def test_it_trains_under_deepspeed_stage_2(tmp_path):
     assert_trains_and_tests(tmp_path, {"zero2": ["strategy=deepspeed_stage_2", "trainer.devices=2"]})
 
 
+# /feature: deepspeed
 def test_a_sampler_of_the_users_own_is_kept_and_split_over_the_ranks(caplog):
     """A weighted sampler draws what its user chose: kept as it is on one process, and on two each rank takes
     every other of its draws (Lightning's DistributedSamplerWrapper), never replaced by the template's; a user's

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -16,6 +17,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mlproject.core.constants import PROJECT_ROOT
 from tests.helpers.processes import clean_env
@@ -204,6 +206,27 @@ def test_copier_update_brings_template_changes_and_keeps_user_edits(template, tm
     assert not any(rename_project.present(root, "cool_net", ex) for ex in dropped)  # stay dropped
 
 
+def test_copier_update_turns_a_feature_on_and_keeps_user_edits(template, tmp_path, tool_env):
+    root = copier_copy(template, tmp_path / "proj", tool_env, examples=None, preset="minimal")
+    sh("git", "init", "-q", "-b", "main", cwd=root, env=tool_env)
+    sh("git", "add", "-A", cwd=root, env=tool_env)
+    sh("git", "commit", "-qm", "start small", cwd=root, env=tool_env)
+    optim = root / "src/cool_net/training/optim.py"
+    optim.write_text(optim.read_text() + "# tuned for my data\n")
+    sh("git", "commit", "-qam", "my edit", cwd=root, env=tool_env)
+    assert not (root / "configs/hparams_search").exists()
+
+    sh(sys.executable, "-m", "copier", "update", "--trust", "--defaults", "--data=sweeps=true", cwd=root, env=tool_env)
+
+    assert "sweeps: true" in (root / ".copier-answers.yml").read_text()
+    assert (root / "configs/hparams_search/digits.yaml").is_file() and (root / "src/hydra_plugins").is_dir()
+    assert re.search(r"^optuna = ", (root / "pyproject.toml").read_text(), re.M)
+    assert re.search(r"^optuna==", (root / "requirements.lock").read_text(), re.M)  # the lock comes along
+    assert optim.read_text().endswith("# tuned for my data\n")
+    assert not sh("git", "diff", "--name-only", "--diff-filter=U", cwd=root, env=tool_env).stdout.split()
+    assert not mentions(root, r"^\W*/?feature:", ("src", "configs", "tests", "docs"))
+
+
 def test_make_rename_in_a_plain_clone(tmp_path, tool_env):
     root = tmp_path / "clone"
     copy_tree(PROJECT_ROOT, root)
@@ -363,6 +386,8 @@ WORDS = {
     "sweeps": r"optuna|hparams_search|study_sweeper",
     "wandb": r"wandb|W&B",
     "mlflow": r"mlflow",
+    "deepspeed": r"deepspeed|zero_shards",
+    "object_storage": r"s3fs|s3://|object storage|moto",
 }
 
 
@@ -428,8 +453,7 @@ def test_a_left_out_feature_leaves_nothing_behind(without_feature):
     assert not mentions(root, WORDS[feature])
     assert not mentions(root, r"^\W*/?feature:", ("src", "configs", "tests", "docs"))  # no marker left
     env = clean_env(PYTHONPATH=str(root / "src"))
-    # I001 aside: a new package name can sort after hydra_plugins, where the template's sorted before it
-    sh(sys.executable, "-m", "ruff", "check", "--no-cache", "--extend-ignore=I001", ".", cwd=root, env=env)
+    sh(sys.executable, "-m", "ruff", "check", "--no-cache", ".", cwd=root, env=env)
     sh(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".", cwd=root, env=env)
     sh(
         sys.executable,
@@ -459,3 +483,47 @@ def test_copier_preset_minimal_keeps_digits_and_no_feature(template, tmp_path, t
     assert "preset: minimal" in answers and "sweeps: false" in answers
     assert not [m for pattern in WORDS.values() for m in mentions(root, pattern)]
     assert not rename_project.present(root, "cool_net", rename_project.EXAMPLES["gpt"])
+
+
+PROJECTS_CI = yaml.safe_load((PROJECT_ROOT / ".github/workflows/projects.yml").read_text())["jobs"]["project"]
+
+
+@pytest.mark.parametrize("combination", PROJECTS_CI["strategy"]["matrix"]["include"], ids=lambda c: c["name"])
+def test_each_combination_of_the_projects_ci_generates_with_its_features(template, tmp_path, tool_env, combination):
+    """The answers of .github/workflows/projects.yml (where each project installs and runs its quick tests) make
+    a project that holds the features they chose and no other, with locks that match its pyproject."""
+    root = tmp_path / "cool-net"
+    data = shlex.split(combination["answers"])
+    sh(
+        sys.executable,
+        "-m",
+        "copier",
+        "copy",
+        "--trust",
+        "--defaults",
+        "--vcs-ref=v1",
+        "--data",
+        "project_name=Cool Net",
+        *data,
+        template,
+        root,
+        cwd=tmp_path,
+        env=tool_env,
+    )
+    answers = yaml.safe_load((root / ".copier-answers.yml").read_text())
+    chosen = {*answers["clusters"], *answers["loggers"], *answers["parallelism"], answers["checkpoint_storage"]}
+    chosen |= {"sweeps"} if answers["sweeps"] else set()
+    for name, feature in rename_project.FEATURES.items():
+        assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
+    assert not (root / ".github/workflows/projects.yml").exists()
+    sh(
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_lock.py",
+        cwd=root,
+        env=clean_env(PYTHONPATH=str(root / "src")),
+    )

@@ -26,10 +26,11 @@ def with_checkpoint_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> Di
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from mlproject.checkpoint.convert import is_remote, load_full, run_config
+    from mlproject.checkpoint.convert import load_full, run_config
+    from mlproject.core.paths import is_url
 
     ckpt = str(cfg.ckpt_path)
-    if not (is_remote(ckpt) or Path(ckpt).exists()) or not (saved := run_config(load_full(ckpt))):
+    if not (is_url(ckpt) or Path(ckpt).exists()) or not (saved := run_config(load_full(ckpt))):
         return cfg
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     chosen = {o.key_or_group for o in parsed}
@@ -67,7 +68,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         L.seed_everything(cfg.seed, workers=True)
 
     # built as train builds it, from the checkpoint's own model config (with_checkpoint_config), then given its
-    # weights; the checkpoint may be of any strategy and world size (a file, a sharded or a DeepSpeed directory)
+    # weights; the checkpoint may be of any strategy and world size (any format of checkpoint/convert.py)
     model = instantiate_at(cfg, "model")
     load_weights(model, cfg.ckpt_path)
     datamodule = with_template_samplers(instantiate_at(cfg, "data"))  # every sample counted once

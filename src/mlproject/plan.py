@@ -4,10 +4,8 @@ For the composed train config, each candidate layout is dry-run as it would trai
 meta device (no memory, no weights), sharded by its own configure_model on a fake process group of the job's
 world size (torch's "fake" backend: collectives return at once, so 512 ranks take seconds), and given one
 AdamW step so the optimizer state exists. What one rank then holds is counted the way the footprint line
-counts it in a real run. DeepSpeed layouts use DeepSpeed's own estimators. The cheapest layout that fits the
-device memory is recommended: DDP, else ZeRO-2 (DDP's traffic), else HSDP (several nodes), else a pipeline stage
-per node (several nodes, a model whose plan has a `pipeline`), else FSDP (experts split first for a mixture of
-experts), else FSDP x TP, else ZeRO-3, else ZeRO-3 + offload.
+counts it in a real run. The cheapest layout that fits the device memory is recommended, in the order
+`candidates` tries them: the cheapest in communication first, the most frugal in memory last.
 """
 
 from __future__ import annotations
@@ -33,11 +31,14 @@ NO_FIT = "raise trainer.accumulate_grad_batches (smaller micro-batches, same glo
 
 @dataclass(frozen=True)
 class Row:
-    """What one rank of one layout holds, in bytes. DeepSpeed's estimators give the model states as one sum."""
+    """What one rank of one layout holds, in bytes."""
 
     layout: str  # the strategy overrides, e.g. "strategy=fsdp"
     states: int  # parameters + gradients + optimizer state + EMA weights
     activations: int | None  # None: the batch size is unknown (a datamodule's own loaders set it); not counted
+    # feature: deepspeed
+    # the three below None under DeepSpeed: its estimators give the model states as one sum
+    # /feature: deepspeed
     params: int | None = None
     grads: int | None = None
     optimizer: int | None = None
@@ -257,6 +258,7 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     return (int(saved[False] * copies) + saved[True]) // (2 if mixed else 1)
 
 
+# feature: deepspeed
 def deepspeed_states(cfg: DictConfig, topology: Topology, stage: int, offload: bool) -> int:
     """DeepSpeed's own estimate of the model states one GPU holds (it assumes 16-bit mixed precision);
     ZeRO-1 has no estimator and holds at most what ZeRO-2 does plus the gradients it does not shard."""
@@ -273,15 +275,18 @@ def deepspeed_states(cfg: DictConfig, topology: Topology, stage: int, offload: b
     return estimate_zero2_model_states_mem_needs(total, cpu_offload=offload, **shape)[1] + 2 * total * (stage == 1)
 
 
+# /feature: deepspeed
 def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
     """What `rank` holds when the composed config trains; `layout` labels the row."""
     topology = Topology.of(cfg).validate()
     layout = layout or f"strategy={topology.strategy}"
     with fake_world(topology.world_size, rank) if topology.model_parallel else nullcontext():
         activations = activation_bytes(cfg, topology)
-        if topology.strategy == "deepspeed":
+        # feature: deepspeed
+        if topology.strategy == "deepspeed":  # DeepSpeed's own estimators
             stage, offload = int(cfg.strategy.get("stage", 2)), bool(cfg.strategy.get("offload"))
             return Row(layout, deepspeed_states(cfg, topology, stage, offload), activations)
+        # /feature: deepspeed
         params, grads, optimizer, ema, gathered = model_states(cfg, topology)
     return Row(layout, params + grads + optimizer + ema, activations, params, grads, optimizer, ema, gathered)
 
@@ -297,19 +302,29 @@ def largest(cfg: DictConfig, layout: str) -> Row:
 
 def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
-    allows: DDP, ZeRO-2 (DDP's traffic, gradients and optimizer state sharded), FSDP for any model (HSDP across
-    nodes), pipeline stages across nodes where the model's plan has a `pipeline` (pipeline_layout), experts
-    split inside a node where it has `experts` (before the same layout without: it holds as much and gathers
-    only its own experts), TP inside a node where it splits layers, ZeRO-3, then ZeRO-3 with offload."""
+    allows: on one device `single`; else DDP, FSDP for any model (HSDP across nodes), pipeline stages across
+    nodes where the model's plan has a `pipeline` (pipeline_layout), experts split inside a node where it has
+    `experts` (before the same layout without: it holds as much and gathers only its own experts), TP inside a
+    node where it splits layers."""
+    layouts = [["strategy=single"]] if topology.world_size == 1 else parallel_layouts(cfg, topology)
+    # feature: deepspeed
     import importlib.util
 
+    if importlib.util.find_spec("deepspeed") is not None and not ema_configured(cfg):  # EMA refuses DeepSpeed
+        if topology.world_size > 1:
+            layouts.insert(1, ["strategy=deepspeed_stage_2"])  # DDP's traffic, gradients and optimizer state sharded
+            layouts.append(["strategy=deepspeed_stage_3"])  # DeepSpeed keeps the weights in its own partitions
+        layouts.append(["strategy=deepspeed_stage_3_offload"])  # on one device, offloading is the only way down
+    # /feature: deepspeed
+    return layouts
+
+
+def parallel_layouts(cfg: DictConfig, topology: Topology) -> list[list[str]]:
+    """The layouts of candidates on more than one device, before those of other strategies."""
     from mlproject.distributed.strategies import net_setting
 
     plan = cfg.model.get("parallel") or {}
-    zero = importlib.util.find_spec("deepspeed") is not None and not ema_configured(cfg)  # EMA refuses DeepSpeed
-    if topology.world_size == 1:  # nothing to shard over: offloading is the only way down
-        return [["strategy=single"], *([["strategy=deepspeed_stage_3_offload"]] if zero else [])]
-    layouts = [["strategy=ddp"], *([["strategy=deepspeed_stage_2"]] if zero else [])]
+    layouts = [["strategy=ddp"]]
     # shards within a node, replicas across: fewer bytes over the slower links
     sharded = [["strategy=hsdp"], ["strategy=fsdp"]] if topology.nodes > 1 else [["strategy=fsdp"]]
     # EP divides the experts and a node, so every shard group (a node or all ranks): its all-to-alls stay in a node
@@ -328,8 +343,6 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
     if plan.get("colwise") and sizes:
         layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
-    if zero:  # DeepSpeed keeps the weights in its own partitions
-        layouts += [["strategy=deepspeed_stage_3"], ["strategy=deepspeed_stage_3_offload"]]
     return layouts
 
 
@@ -432,9 +445,12 @@ def print_plan(result: Plan) -> None:
         table.add_row(label + mark, *cells, size(row.activations), size(row.total), fits)
     Console(width=max(Console().width, 112)).print(table)
     print(
-        "params/grads/optimizer: the real sharding on a fake process group (DeepSpeed: its estimator, the three in "
-        "one, with its largest layer gathered); gathered: FSDP's largest unit all-gathered, in the dtype it computes "
-        "in; activations: saved for backward by one micro-batch's training step, under pp by the micro-batches its "
+        "params/grads/optimizer: the real sharding on a fake process group"
+        # feature: deepspeed
+        " (DeepSpeed: its estimator, the three in one, with its largest layer gathered)"
+        # /feature: deepspeed
+        "; gathered: FSDP's largest unit all-gathered, in the dtype it computes in; activations: saved for backward "
+        "by one micro-batch's training step, under pp by the micro-batches its "
         "schedule keeps in flight (docs/planning.md); pp: the first or the last stage, whichever holds more"
     )
     if result.configured.activations is None:
@@ -449,7 +465,7 @@ def print_plan(result: Plan) -> None:
 # feature: slurm, kubernetes
 def check_fits(overrides: list[str]) -> None:
     """Refuse, in one line naming the fix, a job whose configured layout would not fit its GPUs (for submit)."""
-    # the other layouts only to name one that fits: a fitting job imports no DeepSpeed for its estimators
+    # the other layouts only to name one that fits: a job that fits skips their estimates (and their imports)
     result = plan(overrides, others=False)
     if result.memory is None or result.fits(result.configured):
         return

@@ -185,7 +185,7 @@ def checked_by_rank_0() -> bool:
 
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
-    from mlproject.distributed.launch import check_deepspeed, check_launch
+    from mlproject.distributed.launch import check_launch
     from mlproject.distributed.strategies import check_model_parallel, check_plan
     from mlproject.plan import meta_network
 
@@ -215,11 +215,15 @@ def preflight(cfg: DictConfig) -> Topology:
         check_vocabulary(cfg, network)
         check_plan(cfg, topology, network)
     ckpt = cfg.get("ckpt_path")
-    # a URL (s3://...) is checked where it is read: checkpoint.resume.resolve_ckpt_path
+    # a URL is checked where it is read: checkpoint.resume.resolve_ckpt_path
     if ckpt and ckpt != "auto" and "://" not in str(ckpt) and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt} does not exist; give the path of a .ckpt file")
     check_launch(cfg, topology)
+    # feature: deepspeed
+    from mlproject.distributed.launch import check_deepspeed
+
     check_deepspeed(cfg, topology)
+    # /feature: deepspeed
     if not checked:
         check_memory(cfg, topology)
     return topology

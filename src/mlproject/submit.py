@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             check_names(OmegaConf.create({"task_name": cfg.task_name, "run_id": given_run_id(cfg) or "job-id"}))
             topology = scheduler.check_before_submit(cfg, overrides)
             if check_memory and cfg.cluster.get("gpus_per_node"):  # the plan is of GPU memory
-                # what the planner's imports print (DeepSpeed's accelerator warning) is not the script or manifest
+                # what the planner's imports print (a library's accelerator warning) is not the script or manifest
                 with contextlib.redirect_stdout(sys.stderr):
                     check_fits(overrides)
         job = scheduler.job(cfg, topology, overrides)

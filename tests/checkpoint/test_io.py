@@ -91,6 +91,7 @@ def test_resuming_another_runs_checkpoint_continues_in_its_directory(monkeypatch
     assert "MLPROJECT_RUN_ID" not in os.environ  # an explicit run_id wins; a foreign path names no run
 
 
+# feature: deepspeed
 def zero(path: Path, ranks: int, stage3: bool) -> Path:
     """The file layout of a DeepSpeed checkpoint directory (empty files: only names are read)."""
     (path / "checkpoint").mkdir(parents=True)
@@ -116,3 +117,6 @@ def test_deepspeed_engine_loads_only_its_own_layout(tmp_path):
     assert not loads_natively(tmp_path / "z2", world=2, zero3=True)
     shards(tmp_path / "fsdp", 1.0)
     assert not loads_natively(tmp_path / "fsdp", world=2, zero3=False)
+
+
+# /feature: deepspeed

@@ -64,6 +64,7 @@ def test_s3_retention_keeps_the_checkpoint_a_run_resumed_from(s3, tmp_path):
     assert names == ["epoch_000.ckpt", "epoch_002.ckpt", "last.ckpt"], names
 
 
+# feature: deepspeed
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_s3_deepspeed_checkpoints_resume_bitwise(s3, tmp_path):
@@ -99,11 +100,14 @@ def test_s3_deepspeed_checkpoints_resume_bitwise(s3, tmp_path):
     assert sorted(p.split("/last.ckpt/", 1)[1] for p in s3.find(f"{BUCKET}/ds/last.ckpt")) == local
 
 
+# /feature: deepspeed
 def test_sharded_folders_in_a_bucket_are_replaced_and_resumed_whole(s3, tmp_path):
-    """A DCP folder in object storage is complete while it holds .metadata: replace_checkpoint copies it last
-    and removes the old folder's first, so a crash in between leaves the complete .tmp, which auto resumes."""
+    """A DCP folder in object storage is complete while it holds .metadata: replace_checkpoint (object_storage.replace)
+    copies it last and removes the old folder's first, so a crash in between leaves the complete .tmp, which auto
+    resumes."""
+    from mlproject.checkpoint.object_storage import remove_remote
     from mlproject.checkpoint.resume import resolve_ckpt_path
-    from mlproject.checkpoint.storage import remove_remote, replace_checkpoint
+    from mlproject.checkpoint.storage import replace_checkpoint
 
     root = f"s3://{BUCKET}/unit"
     last, tmp = f"{root}/last.ckpt", f"{root}/last.ckpt.tmp"

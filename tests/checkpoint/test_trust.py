@@ -208,6 +208,7 @@ def test_omegaconf_hyperparameters_load_weights_only(compose_cfg, tmp_path):
     assert all(torch.equal(v, saved["state_dict"][k]) for k, v in module.state_dict().items())
 
 
+# feature: deepspeed
 def test_deepspeed_checkpoint_that_would_run_code_is_refused(folder, tmp_path):
     """A canary in the client state of a ZeRO-2 folder: refused by export (which reads the shards itself) and
     by a resume under deepspeed, whose engine would unpickle the folder's files in full."""
@@ -228,6 +229,7 @@ def test_deepspeed_checkpoint_that_would_run_code_is_refused(folder, tmp_path):
     assert_refused(exported, refusal("ds.ckpt/checkpoint/mp_rank_00_model_states.pt", "exec"), ckpt, canary)
 
 
+# /feature: deepspeed
 def test_hyperparameters_are_saved_as_plain_data():
     """What RunState leaves of a module's hyperparameters: OmegaConf as plain dicts and lists, no OmegaConf class,
     objects (a lightning-hydra-template module's net and optimizer partial) left out and named."""

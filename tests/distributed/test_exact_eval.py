@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torchmetrics.functional.classification import multiclass_accuracy, multiclass_auroc, multiclass_f1_score
 
 from mlproject.data.digits import DigitsDataModule
-from tests.distributed import eval_worker, sharded_eval_worker
+from tests.distributed import eval_worker
 from tests.helpers.processes import launch, read_metrics, run, run_dirs, together
 
 WORKER = Path(eval_worker.__file__)
@@ -101,12 +101,18 @@ def test_eval_one_vs_three_processes_and_predictions(trained_run, tmp_path):
     assert acc == pytest.approx(m2["test/acc"], abs=1e-6)
 
 
+# feature: deepspeed
 @pytest.mark.slow
 def test_deepspeed_stage_3_counts_each_sample_once(tmp_path):
     """ZeRO-3 partitions the parameters, so every rank must join every forward pass (a rank that stops
     early hangs the others): the digits CNN on a 9-sample split over 2 processes finishes, and gives
     the direct single-process numbers."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is the optional extra .[deepspeed]")
+    from tests.distributed import sharded_eval_worker
+
     got, want = sharded_eval_worker.compare(tmp_path, "deepspeed_stage_3", ["data.val_size=9", "data.batch_size=4"])
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert got["samples"] == 9
+
+
+# /feature: deepspeed

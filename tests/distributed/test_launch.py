@@ -19,16 +19,20 @@ from tests.helpers.processes import run, run_dirs, run_in_process
     [
         (["strategy=ddp", "trainer.num_nodes=2"], "pass the same run_id=<name> on every node"),
         (["strategy=ddp", "trainer.num_nodes=2", "run_id=x"], "but MASTER_ADDR and NODE_RANK not set"),
+        # feature: deepspeed
         (["strategy=deepspeed_stage_2", "trainer.precision=bf16-true"], "DeepSpeed keeps fp32 master weights"),
         (["strategy=deepspeed_stage_2", "trainer.precision=bf16-mixed"], "bf16 without autocast"),
         (["strategy=deepspeed_stage_3_offload"], "already are; use strategy=deepspeed_stage_3"),
+        # /feature: deepspeed
     ],
     ids=[
         "nodes-without-run-id",
         "nodes-without-rendezvous",
+        # feature: deepspeed
         "deepspeed-bf16-true",
         "deepspeed-bf16-on-cpu",
         "offload-on-cpu",
+        # /feature: deepspeed
     ],
 )
 def test_impossible_launches_fail_up_front_with_one_line(tmp_path, overrides, message):

@@ -9,7 +9,6 @@ may change a number.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 
@@ -46,9 +45,19 @@ STRATEGIES = {
     ],
     "hsdp": ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2"],  # 2 replicas x 2 shards
 }
-if importlib.util.find_spec("deepspeed"):  # an optional extra; tests/distributed/test_deepspeed.py says so
+
+
+# feature: deepspeed
+def deepspeed_installed() -> bool:  # an optional extra; tests/distributed/test_deepspeed.py says so
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+if deepspeed_installed():
     STRATEGIES["deepspeed_stage_1"] = ["strategy=deepspeed_stage_1", "trainer.devices=2"]  # shards optimizer state
     STRATEGIES["deepspeed_stage_2"] = ["strategy=deepspeed_stage_2", "trainer.devices=2"]  # clips in its own partitions
+# /feature: deepspeed
 LOSS_RTOL = 2e-6  # fp32; the order of additions differs between strategies (measured <= 3e-7)
 PARAM_ATOL = 5e-6  # after 6 AdamW steps of lr 0.01 the weights moved ~0.05 (measured differences <= 1.1e-6)
 
@@ -107,8 +116,10 @@ def test_fsdp_holds_a_share_of_the_model(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test waits for all runs
+# feature: deepspeed
 # Not deepspeed_stage_1/2: there the planner gives DeepSpeed's estimate, all model states as one sum for 16-bit
 # mixed precision, not the fp32 parameter and optimizer bytes the footprint line counts
+# /feature: deepspeed
 @pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp", "fsdp_tp", "hsdp"])
 def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     """mlproject.plan, on the meta device and a fake process group, against the footprint line of the real run."""

@@ -30,12 +30,14 @@ class RecordSteps(Callback):
         run_dir = Path(trainer.default_root_dir)
         if self.checkpoint:
             trainer.save_checkpoint(run_dir / "last.ckpt")
-        params = list(pl_module.parameters())
         gather = nullcontext()
+        # feature: deepspeed
+        params = list(pl_module.parameters())
         if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 holds a shard per rank: gather the full tensors
             import deepspeed
 
             gather = deepspeed.zero.GatheredParameters(params)
+        # /feature: deepspeed
         with gather:  # fsdp/tp hold DTensors: full_tensor() gathers them (a collective on every rank)
             state = {
                 k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()

@@ -24,7 +24,8 @@ LIVE: set[int] = set()
 STOP = threading.Event()
 PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 
-# The interpreter of child runs: warm (tests/helpers/warm.py, set by conftest) unless MLPROJECT_COLD_TESTS=1.
+# The interpreter of child runs: warm where the template's tests/helpers/warm.py is (set by conftest) unless
+# MLPROJECT_COLD_TESTS=1; this one otherwise.
 PYTHON = sys.executable
 
 # Runs in tests stay small: few epochs, no config tree, quiet warnings; on the CPU even where a GPU is visible.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
@@ -40,8 +39,12 @@ class EMA(Callback):
         # The averages must exist before Lightning restores a checkpoint into the module, laid out like the
         # parameters. Single and ddp restore before the strategy's setup, with the parameters final already;
         # fsdp and tp shard in configure_model and restore after setup: there on_fit_start makes them.
+        # feature: deepspeed
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
         if isinstance(trainer.strategy, DeepSpeedStrategy):
             raise ConfigError("callbacks.ema: DeepSpeed keeps the weights in its own partitions; use strategy=fsdp")
+        # /feature: deepspeed
         if not trainer.strategy.restore_checkpoint_after_setup:
             self._attach(pl_module)
         elif stage != "fit" and not has_child(pl_module, "ema"):

@@ -1,7 +1,7 @@
 """Read any checkpoint this template writes into one in-memory Lightning checkpoint with full tensors.
 
-Formats: a single file (single, ddp; `torch.save` zip), a sharded directory (fsdp, tp: torch.distributed
-.checkpoint shards + Lightning's meta.pt), a DeepSpeed directory (`latest` + ZeRO shards).
+Formats (checkpoint_format): a single file (single, ddp; `torch.save` zip), a sharded directory (fsdp, tp:
+torch.distributed.checkpoint shards + Lightning's meta.pt), and any other folder of FOLDERS.
 
 Every pickle of a checkpoint is read with `weights_only=True` (tensors, plain containers and a few allowlisted
 types): unpickling anything else can run code, and checkpoints are shared, downloaded and read from buckets.
@@ -20,9 +20,18 @@ from typing import Any
 
 import torch
 
-from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file, refusing, trusted
+from mlproject.checkpoint.safe_load import load_file, load_meta, read_into, refusing, trusted
 from mlproject.core.errors import CheckpointError
-from mlproject.core.paths import is_url as is_remote
+
+# The checkpoint folders checkpoint_format tells apart, as its errors name them
+FOLDERS = " or ".join(
+    [
+        "sharded",
+        # feature: deepspeed
+        "DeepSpeed",  # `latest` + ZeRO shards (zero_shards.py)
+        # /feature: deepspeed
+    ]
+)
 
 # What DCP's .metadata pickles (torch 2.13): its dataclasses, sizes, layouts, the path it was saved to; dtypes too
 DCP_METADATA = {
@@ -70,18 +79,18 @@ def read_metadata(path: str | Path):
 
 
 def check_unpickles(path: str | Path) -> None:
-    """Refuse the checkpoint at `path` (local, or sharded in object storage) if a pickle that a library reads in
+    """Refuse the checkpoint at `path` (a file, or a folder at a path or URL) if a pickle that a library reads in
     full holds more than a weights-only load allows: DCP's .metadata and non-tensor items (torch.load with
-    weights_only=False inside DCP), Lightning's meta.pt, the files DeepSpeed's engine loads itself. Tensor data
+    weights_only=False inside DCP), Lightning's meta.pt, the files a strategy's own loader reads. Tensor data
     is not read. Nothing to check when trusted(), or for a file (this template and Lightning load it safely)."""
     if trusted() or Path(path).is_file():
         return
-    if checkpoint_format(path) == "deepspeed":
-        allow_deepspeed_types()
-        tag = Path(path) / (Path(path) / "latest").read_text().strip()
-        for file in sorted(tag.glob("*.pt")):
-            load_file(file, map_location="meta")
-        return
+    # feature: deepspeed
+    if checkpoint_format(path) == "deepspeed":  # the files DeepSpeed's engine loads itself
+        from mlproject.checkpoint import zero_shards
+
+        return zero_shards.check_unpickles(path)
+    # /feature: deepspeed
     from fsspec.core import url_to_fs
 
     metadata = read_metadata(path)
@@ -98,46 +107,26 @@ def check_unpickles(path: str | Path) -> None:
             load_file(io.BytesIO(data), f"{name} ({index.fqn})")
 
 
-def download(url: str, dest: Path) -> None:
-    """Copy the checkpoint at fsspec `url`, a file or a folder, to the local path `dest`."""
-    from fsspec.core import url_to_fs
-
-    fs, _ = url_to_fs(url)
-    fs.invalidate_cache()  # written by other processes since this one listed it
-    if fs.isdir(url):
-        fs.get(f"{url.rstrip('/')}/", f"{dest}/", recursive=True)
-    else:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fs.get(url, str(dest))
-
-
 def checkpoint_format(path: str | Path) -> str:
-    """'file', 'sharded' or 'deepspeed'; a clear error for anything else or a damaged checkpoint."""
-    if is_remote(path):
-        from fsspec.core import url_to_fs
+    """'file' or a folder's format ('sharded', or another of FOLDERS in lower case); a clear error for anything
+    else or a damaged checkpoint."""
+    # feature: object_storage
+    from mlproject.checkpoint import object_storage
 
-        url = str(path).rstrip("/")
-        fs, _ = url_to_fs(url)
-        fs.invalidate_cache()  # written by other processes since this one listed it
-        if fs.isfile(url):
-            with fs.open(url, "rb") as f:
-                return _check_zip(path, f)
-        if fs.isfile(f"{url}/meta.pt") and fs.isfile(f"{url}/.metadata"):  # .metadata comes last (storage.py)
-            return "sharded"
-        if fs.isfile(f"{url}/latest"):  # last too (distributed/zero.py)
-            return "deepspeed"
-        if fs.isdir(url):
-            raise CheckpointError(f"{path} is a directory but not a complete sharded or DeepSpeed checkpoint")
-        raise CheckpointError(f"{path} does not exist")
+    if object_storage.is_remote(path):
+        return object_storage.checkpoint_format(str(path), _check_zip, FOLDERS)
+    # /feature: object_storage
     path = Path(path)
     if path.is_file():
         return _check_zip(path, path)
     if (path / "meta.pt").is_file() and (path / ".metadata").is_file():
         return "sharded"
-    if (path / "latest").is_file():
+    # feature: deepspeed
+    if (path / "latest").is_file():  # written last (distributed/zero.py)
         return "deepspeed"
+    # /feature: deepspeed
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory but not a complete sharded or DeepSpeed checkpoint")
+        raise CheckpointError(f"{path} is a directory but not a complete {FOLDERS} checkpoint")
     raise CheckpointError(f"{path} does not exist")
 
 
@@ -181,62 +170,25 @@ def _from_sharded(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def deepspeed_checkpoint(shards, full: bool = True) -> dict[str, Any]:
-    """A Lightning checkpoint from ZeRO shards (zero_shards.ZeroShards): weights and optimizer state from the
-    shards, the rest from Lightning's client state. The torch optimizer DeepSpeed wrapped has one param group
-    per flat group: its positions run over the parameters of each flat group in order, the order of the
-    writer's param groups. With `full` False the weights and moments are placeholders on the meta device, for
-    the caller to read by slice (`shards.read`); the buffers and step counts are read."""
-
-    def tensor(name: str, key: str | None = None) -> torch.Tensor:
-        return shards.full(name, key) if full else torch.empty(shards.shapes[name], device="meta")
-
-    optim = shards.optimizer
-    keys = [key for key in next(iter(optim["state"].values()), {}) if key != "step"]
-    state, groups, position = {}, [], 0
-    for group in optim["param_groups"]:
-        params = []
-        for i in group["params"]:  # a flat group
-            for name in shards.groups[i]:
-                if i in optim["state"]:
-                    step = optim["state"][i]["step"].clone()  # one tensor per parameter: AdamW increments each
-                    state[position] = {"step": step, **{key: tensor(name, key) for key in keys}}
-                params.append(position)
-                position += 1
-        groups.append({**group, "params": params})
-
-    checkpoint = {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
-    state_dict = {**shards.buffers, **{name: tensor(name) for name in shards.shapes}}
-    for alias, name in shards.aliases.items():  # tied weights are saved once
-        state_dict[alias] = state_dict[name]
-    checkpoint["state_dict"] = state_dict
-    checkpoint["optimizer_states"] = [{"state": state, "param_groups": groups}]
-    return checkpoint
-
-
 def load_full(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at `path` (a local path or an fsspec URL) as a Lightning checkpoint dict on the CPU,
-    with full (unsharded) tensors."""
-    if is_remote(path):
-        import tempfile
+    """The checkpoint at `path` as a Lightning checkpoint dict on the CPU, with full (unsharded) tensors."""
+    # feature: object_storage
+    from mlproject.checkpoint import object_storage
 
-        import fsspec
-
-        if checkpoint_format(path) == "file":
-            with fsspec.open(str(path), "rb") as f:
-                return load_file(f, path, map_location="cpu")
-        with tempfile.TemporaryDirectory() as tmp:  # a sharded or DeepSpeed directory: read in full here anyway
-            download(str(path), Path(tmp))
-            return load_full(tmp)
+    if object_storage.is_remote(path):
+        return object_storage.load_full(str(path), checkpoint_format(path), load_full)
+    # /feature: object_storage
     path = Path(path)
     fmt = checkpoint_format(path)
     if fmt == "file":
         return load_file(path, map_location="cpu")
-    if fmt == "sharded":
-        return _from_sharded(path)
-    from mlproject.checkpoint.zero_shards import ZeroShards
+    # feature: deepspeed
+    if fmt == "deepspeed":
+        from mlproject.checkpoint.zero_shards import ZeroShards, deepspeed_checkpoint
 
-    return deepspeed_checkpoint(ZeroShards(path))
+        return deepspeed_checkpoint(ZeroShards(path))
+    # /feature: deepspeed
+    return _from_sharded(path)
 
 
 def averaged(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -257,20 +209,20 @@ def load_module(cls, path: str | Path):
 
 
 def saved_shapes(path: str | Path) -> dict[str, Any]:
-    """The model state's tensor names and shapes (torch.Size) in the checkpoint at `path`, any format, local or
-    (sharded) in object storage, read without the tensor data."""
+    """The model state's tensor names and shapes (torch.Size) in the checkpoint at `path`, any format (a sharded
+    one at a path or URL), read without the tensor data."""
     if Path(path).is_file():
         return {k: v.shape for k, v in load_file(path, map_location="meta")["state_dict"].items()}
-    if checkpoint_format(path) == "sharded":
-        entries = read_metadata(path).state_dict_metadata.items()
-        return {
-            k.removeprefix("state_dict."): e.size
-            for k, e in entries
-            if k.startswith("state_dict.") and hasattr(e, "size")
-        }
-    from mlproject.checkpoint.zero_shards import ZeroShards
+    # feature: deepspeed
+    if checkpoint_format(path) == "deepspeed":
+        from mlproject.checkpoint.zero_shards import ZeroShards, deepspeed_checkpoint
 
-    return {k: v.shape for k, v in deepspeed_checkpoint(ZeroShards(path), full=False)["state_dict"].items()}
+        return {k: v.shape for k, v in deepspeed_checkpoint(ZeroShards(path), full=False)["state_dict"].items()}
+    # /feature: deepspeed
+    entries = read_metadata(path).state_dict_metadata.items()  # a sharded folder
+    return {
+        k.removeprefix("state_dict."): e.size for k, e in entries if k.startswith("state_dict.") and hasattr(e, "size")
+    }
 
 
 def check_fits(saved: dict[str, Any], module: torch.nn.Module, name: str | Path, stage: bool = False) -> None:
@@ -391,8 +343,6 @@ def sliced_file(path: str | Path, orders: list[list[list[str]]]) -> tuple[dict[s
     elements of a flattened weight (`key` None) or of its optimizer state `key`, read with preadv at the
     offsets torch records when loading onto the meta device (the mmap's pages would count as the rank's
     memory once touched)."""
-    from mlproject.checkpoint.zero_shards import load_meta, read_into
-
     checkpoint = name_optimizer_states(load_file(path, mmap=True, map_location="cpu"), orders)
     meta = name_optimizer_states(load_meta(path), orders)  # where each tensor lies in the file
     states = {name: entry for saved in meta["optimizer_states"] for name, entry in saved["state"].items()}

@@ -1,9 +1,7 @@
 """A torch.distributed.checkpoint directory (fsdp, hsdp, tp, pp: Lightning's ModelParallelStrategy saves
 "state_dict" and "optimizer_0" keyed by parameter name, plus the rest in meta.pt) read by parameter and element
 range in one process, so that a rank of another strategy reads only the stored chunks that overlap what it will
-hold: DCP's own resharding (create_read_items_for_chunk_list) for the rows that cover the range. A DeepSpeed
-rank resuming fsdp shards takes its ZeRO partitions from here (distributed/zero.py), as from a ZeRO checkpoint
-of another layout (zero_shards.py).
+hold: DCP's own resharding (create_read_items_for_chunk_list) for the rows that cover the range.
 """
 
 from __future__ import annotations

@@ -9,26 +9,18 @@ from pathlib import Path
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: str | Path, ckpt_dir: str | None = None) -> str | None:
     """`auto`: this run's checkpoints/last.ckpt when it exists (a re-run or requeue of the same run_id),
-    else start fresh; `ckpt_dir` (the checkpoint callback's dirpath, which may be an fsspec URL) replaces
-    `<run_dir>/checkpoints`. Any other value is an explicit path. Either way a damaged checkpoint stops here
+    else start fresh. Any other value is an explicit path. Either way a damaged checkpoint stops here
     with a one-line error naming it, instead of a pickling traceback deep inside Lightning."""
-    from mlproject.checkpoint.convert import checkpoint_format, is_remote
-    from mlproject.core.errors import CheckpointError
+    from mlproject.checkpoint.convert import checkpoint_format
     from mlproject.core.resolvers import generated_run_id
 
-    if ckpt_path == "auto" and ckpt_dir and is_remote(ckpt_dir):
-        from fsspec.core import url_to_fs
+    # feature: object_storage
+    if ckpt_path == "auto" and ckpt_dir:
+        from mlproject.checkpoint.object_storage import is_remote, last_checkpoint
 
-        def complete(url: str) -> bool:
-            try:
-                return bool(checkpoint_format(url))
-            except CheckpointError:
-                return False
-
-        last = f"{ckpt_dir.rstrip('/')}/last.ckpt"
-        # a crash while a sharded last.ckpt was replaced leaves the complete last.ckpt.tmp (storage.replace_checkpoint)
-        done = [url for url in (last, f"{last}.tmp") if complete(url)]
-        ckpt_path = done[0] if done else last if url_to_fs(last)[0].exists(last) else None
+        if is_remote(ckpt_dir):  # the checkpoint callback's dirpath in object storage replaces <run_dir>/checkpoints
+            ckpt_path = last_checkpoint(ckpt_dir, checkpoint_format)
+    # /feature: object_storage
     if ckpt_path == "auto" and Path(run_dir).name == generated_run_id():
         from mlproject.utils.rank_logging import get_logger
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mlproject.core.errors import CheckpointError
+from mlproject.utils import compat
 
 TRUST = "MLPROJECT_TRUST_CHECKPOINT"
 
@@ -47,11 +48,20 @@ def load_file(source, name: str | Path | None = None, **kwargs) -> Any:
         return torch.load(source, weights_only=not trusted(), **kwargs)
 
 
-def allow_deepspeed_types() -> None:
-    """DeepSpeed's optimizer-state files pickle four of its own types (ZeRO 1-3; DynamicLossScaler under fp16):
-    plain records of numbers, allowed in weights-only loads (load_file)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+def load_meta(file: str | Path) -> dict:
+    """A torch.save file with its tensors on the meta device, each knowing its offset in the file."""
+    return load_file(file, map_location="meta")
 
-    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
+
+def read_into(out: torch.Tensor, file: str | Path, saved: torch.Tensor, start: int) -> None:
+    """Elements [start, start + out.numel()) of the flattened meta tensor `saved` (load_meta) from `file`, read
+    with preadv: a rank reads only its slice (not memory-mapped: the kernel maps whole page-cache folios around
+    each read, up to 3 times the slice)."""
+    buffer = out if saved.dtype == out.dtype else torch.empty(out.numel(), dtype=saved.dtype)
+    offset = compat.file_offset(saved) + (saved.storage_offset() + start) * saved.element_size()
+    view, done = buffer.numpy().view("uint8"), 0
+    with open(file, "rb") as f:
+        while done < view.size:  # one read returns at most ~2 GiB
+            done += os.preadv(f.fileno(), [view[done:]], offset + done)
+    if buffer is not out:
+        out.copy_(buffer)

@@ -1,5 +1,5 @@
-"""Atomic checkpoint writes (in the loop or on a writer thread, on disk or in object storage), and reading any
-checkpoint this template writes under any strategy."""
+"""Atomic checkpoint writes (in the loop or on a writer thread), and reading any checkpoint this template writes
+under any strategy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import contextlib
 import copy
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from io import BytesIO
@@ -19,9 +18,8 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 
-from mlproject.checkpoint.convert import is_remote
 from mlproject.core.errors import CheckpointError
 from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
@@ -29,39 +27,21 @@ from mlproject.utils.rank_logging import get_logger
 log = get_logger(__name__)
 
 
-MARKERS = ("/.metadata", "/latest")  # written last, a sharded (DCP) or DeepSpeed folder is complete
-
-
 def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
     """Move a checkpoint file or directory `src` to `dst`, replacing what is there.
-
-    In object storage (an fsspec URL) the move is a copy then a delete: a file's object under `dst` changes
-    only once the copy is complete, so readers see the old checkpoint or the new one, never a part. A sharded
-    directory is complete while it holds DCP's `.metadata`, written last: the old `dst` loses it first and
-    the copy writes it last, and a crash in between leaves the complete `<dst>.tmp`, which
-    `resolve_ckpt_path` resumes from.
-
-    A DeepSpeed folder's marker is its `latest` file, as DCP's is `.metadata` (MARKERS).
 
     A file replaces a file in one atomic rename. rename(2) cannot replace a non-empty directory, so an
     existing `dst` is moved aside to `<dst>.old` first and deleted after; a crash between the two renames
     leaves `<dst>.old`, which `resolve_ckpt_path` resumes from.
     """
     src, dst = str(src), str(dst)
-    if is_remote(dst):
-        from fsspec.core import url_to_fs
+    # feature: object_storage
+    from mlproject.checkpoint import object_storage
 
-        fs, root = url_to_fs(src)
-        fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
-        if not fs.isdir(src):
-            fs.mv(src, dst)
-            return
-        remove_remote(dst)
-        names = sorted((p[len(root) :] for p in fs.find(src)), key=lambda name: name in MARKERS)
-        for name in names:  # the completeness marker last
-            fs.copy(src + name, dst + name)
-        remove_remote(src)
+    if object_storage.is_remote(dst):
+        object_storage.replace(src, dst)
         return
+    # /feature: object_storage
     old = dst + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.isdir(dst) or (os.path.isdir(src) and os.path.exists(dst)):
@@ -73,41 +53,31 @@ def replace_checkpoint(src: str | Path, dst: str | Path) -> None:
         os.remove(old)
 
 
-def remove_remote(url: str) -> None:
-    """Remove a checkpoint in object storage; a sharded or DeepSpeed directory loses its completeness marker
-    first, so that no partly deleted directory reads as complete (checkpoint_format)."""
-    from fsspec.core import url_to_fs
-
-    fs, _ = url_to_fs(url)
-    fs.invalidate_cache()  # other ranks wrote shards: listings this process cached are stale
-    if fs.isdir(url):
-        for marker in MARKERS:
-            if fs.exists(url + marker):
-                fs.rm(url + marker)
-        fs.rm(url, recursive=True)
-    elif fs.exists(url):
-        fs.rm(url)
-
-
 def storage_error(exc: BaseException) -> BaseException | None:
-    """The storage's own error behind `exc`, if that is what it is: an OSError (a full or read-only disk; s3fs
-    reports a bucket's refusals as one) or botocore's (an unreachable endpoint, no credentials). DCP gathers every
-    rank's failure into one exception: its first is taken."""
+    """The storage's own error behind `exc`, if that is what it is: an OSError (a full or read-only disk). DCP
+    gathers every rank's failure into one exception: its first is taken."""
     failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
     if isinstance(failures, dict) and failures:
         exc = next(iter(failures.values()))[0]
-    botocore = sys.modules.get("botocore.exceptions")  # not imported: no botocore error can have been raised
-    return exc if isinstance(exc, (OSError, botocore.BotoCoreError) if botocore else OSError) else None
+    # feature: object_storage
+    from mlproject.checkpoint import object_storage
+
+    if object_storage.client_error(exc):
+        return exc
+    # /feature: object_storage
+    return exc if isinstance(exc, OSError) else None
 
 
 def unusable(what: str, path: str, exc: BaseException) -> CheckpointError:
     """The one line for a storage error on `path`: what failed, the storage's words for why, where to look."""
     cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-    look = (
-        "check the endpoint (AWS_ENDPOINT_URL), the credentials and the bucket"
-        if is_remote(path)
-        else "free space on its disk or make its folder writable"
-    )
+    look = "free space on its disk or make its folder writable"
+    # feature: object_storage
+    from mlproject.checkpoint import object_storage
+
+    if object_storage.is_remote(path):
+        look = "check the endpoint (AWS_ENDPOINT_URL), the credentials and the bucket"
+    # /feature: object_storage
     return CheckpointError(f"{what}: {cause}; {look}, or set paths.ckpt_dir to another location")
 
 
@@ -121,12 +91,16 @@ def failing_save(tmp: str, path: str):
         if (cause := storage_error(exc)) is None:
             raise
         with contextlib.suppress(Exception):  # the storage that failed may refuse this too
-            if is_remote(tmp):
-                remove_remote(tmp)
-            elif os.path.isdir(tmp):
+            if os.path.isdir(tmp):
                 shutil.rmtree(tmp)
-            else:
+            elif os.path.isfile(tmp):
                 os.remove(tmp)
+            # feature: object_storage
+            else:  # in object storage
+                from mlproject.checkpoint import object_storage
+
+                object_storage.remove_remote(tmp)
+            # /feature: object_storage
         raise unusable(f"could not save checkpoint {path} (the previous one is kept)", path, cause) from None
 
 
@@ -199,30 +173,38 @@ class ModelCheckpoint(LightningModelCheckpoint):
             if self.dirpath is None or (cause := storage_error(exc)) is None:
                 raise
             raise unusable(f"cannot use paths.ckpt_dir={self.dirpath}", self.dirpath, cause) from None
-        known = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)  # DeepSpeed's is a DDPStrategy
-        if self.dirpath and is_remote(self.dirpath) and not isinstance(trainer.strategy, known):
-            raise CheckpointError(
-                f"paths.ckpt_dir={self.dirpath}: object storage takes the checkpoints of the template's strategies, "
-                f"not {type(trainer.strategy).__name__}'s; set paths.ckpt_dir to a local or shared-filesystem directory"
-            )
+        # feature: object_storage
+        from mlproject.checkpoint import object_storage
+
+        if self.dirpath and object_storage.is_remote(self.dirpath):
+            object_storage.check_strategy(self.dirpath, trainer.strategy)
+        # /feature: object_storage
         if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, tp, pp)
             self.async_save = isinstance(trainer.strategy, ModelParallelStrategy)
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+            # feature: deepspeed
+            from lightning.pytorch.strategies import DeepSpeedStrategy
+
             if isinstance(trainer.strategy, DeepSpeedStrategy):
                 raise CheckpointError(
                     "callbacks.model_checkpoint.async_save=true is not supported under deepspeed "
                     "(DeepSpeed writes its own checkpoints); set it to false"
                 )
+            # /feature: deepspeed
             # through Strategy.checkpoint_io's public setter: this trainer's strategy only, no Lightning code replaced
             trainer.strategy.checkpoint_io = AsyncCheckpointIO(trainer.strategy.checkpoint_io)
 
+    # feature: object_storage
     def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
+        from mlproject.checkpoint import object_storage
+
         # Lightning keeps the checkpoint a run resumed from on a local disk only; in object storage it
         # deletes it (Lightning issue 21813): a resumed run's retention must leave its source in place.
-        if is_remote(previous):
+        if object_storage.is_remote(previous):
             return previous != current and previous != trainer.ckpt_path and previous.startswith(f"{self.dirpath}/")
         return super()._should_remove_checkpoint(trainer, previous, current)
 
+    # /feature: object_storage
     def teardown(self, trainer, pl_module, stage: str) -> None:
         # Lightning's ModelParallelStrategy.teardown never calls its CheckpointIO's: flush here, on every rank
         if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
@@ -329,7 +311,7 @@ class AsyncCheckpointIO(CheckpointIO):
 
 
 class PortableCheckpointIO(TorchCheckpointIO):
-    """Loads sharded (fsdp, tp) and DeepSpeed checkpoint directories as well as single files, so a
+    """Loads checkpoint directories (sharded: fsdp, tp; any format of convert.py) as well as single files, so a
     single-process or ddp run resumes from a checkpoint of any strategy and world size. It reads the
     checkpoint in full (convert.load_full): a rank of single or ddp holds the whole state anyway. A checkpoint
     that does not fit the LightningModule `module` is refused in one line (convert.check_fits)."""

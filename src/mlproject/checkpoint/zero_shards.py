@@ -5,24 +5,24 @@ them, in the same layout. Stage 1/2 lay a param group's parameters end to end an
 partition per rank; each rank lists which slice of which parameter it holds (`param_slice_mappings`). Stage 3
 cuts every parameter into one equal piece per rank (the last one padded) and lays a rank's pieces end to end
 over its flat sub-groups, in the order of `param_shapes`. The partition files are loaded onto the meta device,
-which gives each tensor's offset in its file, and slices are read from there (not memory-mapped: the kernel
-maps whole page-cache folios around each read, up to 3 times the slice here). So a rank that resumes on
-another layout (distributed/zero.py) or under fsdp (distributed/parallel.py) reads only the slices it will hold,
-and a full conversion (convert.load_full) holds no more than the result; DeepSpeed's zero_to_fp32 concatenates
-whole partitions. `read_into` reads any torch.save file that way (a single process's checkpoint under fsdp).
+which gives each tensor's offset in its file, and slices are read from there (safe_load.read_into). So a rank
+that resumes on another layout (distributed/zero.py) or under fsdp (distributed/parallel.py) reads only the
+slices it will hold, and a full conversion (convert.load_full) holds no more than the result; DeepSpeed's
+zero_to_fp32 concatenates whole partitions.
+
+Everything that reads a DeepSpeed directory is here, so a project without DeepSpeed leaves this file out
+(checkpoint/convert.py and distributed/parallel.py call it).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from mlproject.checkpoint.safe_load import allow_deepspeed_types, load_file
-from mlproject.utils import compat
+from mlproject.checkpoint.safe_load import load_file, load_meta, read_into
 
 PREFIX = "_forward_module."  # Lightning's wrapper around the LightningModule, in DeepSpeed's parameter names
 
@@ -37,21 +37,23 @@ class Piece(NamedTuple):
     numel: int
 
 
-def load_meta(file: str | Path) -> dict:
-    """A torch.save file with its tensors on the meta device, each knowing its offset in the file."""
-    return load_file(file, map_location="meta")
+def allow_deepspeed_types() -> None:
+    """DeepSpeed's optimizer-state files pickle four of its own types (ZeRO 1-3; DynamicLossScaler under fp16):
+    plain records of numbers, allowed in weights-only loads (load_file)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
 
 
-def read_into(out: torch.Tensor, file: str | Path, saved: torch.Tensor, start: int) -> None:
-    """Elements [start, start + out.numel()) of the flattened meta tensor `saved` (load_meta) from `file`."""
-    buffer = out if saved.dtype == out.dtype else torch.empty(out.numel(), dtype=saved.dtype)
-    offset = compat.file_offset(saved) + (saved.storage_offset() + start) * saved.element_size()
-    view, done = buffer.numpy().view("uint8"), 0
-    with open(file, "rb") as f:
-        while done < view.size:  # one read returns at most ~2 GiB
-            done += os.preadv(f.fileno(), [view[done:]], offset + done)
-    if buffer is not out:
-        out.copy_(buffer)
+def check_unpickles(path: str | Path) -> None:
+    """Refuse the DeepSpeed directory at `path` if a file its engine unpickles in full holds more than a
+    weights-only load allows (for convert.check_unpickles). Tensor data is not read."""
+    allow_deepspeed_types()
+    tag = Path(path) / (Path(path) / "latest").read_text().strip()
+    for file in sorted(tag.glob("*.pt")):
+        load_file(file, map_location="meta")
 
 
 class ZeroShards:
@@ -146,3 +148,36 @@ class ZeroShards:
             read_into(step.view(-1), self.files[0], entry["step"], 0)
             state[group] = {**entry, "step": step}
         return {**saved, "state": state}
+
+
+def deepspeed_checkpoint(shards: ZeroShards, full: bool = True) -> dict[str, Any]:
+    """A Lightning checkpoint from ZeRO shards: weights and optimizer state from the shards, the rest from
+    Lightning's client state. The torch optimizer DeepSpeed wrapped has one param group per flat group: its
+    positions run over the parameters of each flat group in order, the order of the writer's param groups. With
+    `full` False the weights and moments are placeholders on the meta device, for the caller to read by slice
+    (`shards.read`); the buffers and step counts are read."""
+
+    def tensor(name: str, key: str | None = None) -> torch.Tensor:
+        return shards.full(name, key) if full else torch.empty(shards.shapes[name], device="meta")
+
+    optim = shards.optimizer
+    keys = [key for key in next(iter(optim["state"].values()), {}) if key != "step"]
+    state, groups, position = {}, [], 0
+    for group in optim["param_groups"]:
+        params = []
+        for i in group["params"]:  # a flat group
+            for name in shards.groups[i]:
+                if i in optim["state"]:
+                    step = optim["state"][i]["step"].clone()  # one tensor per parameter: AdamW increments each
+                    state[position] = {"step": step, **{key: tensor(name, key) for key in keys}}
+                params.append(position)
+                position += 1
+        groups.append({**group, "params": params})
+
+    checkpoint = {k: v for k, v in shards.client.items() if k not in ("module", "optimizer", "lr_scheduler")}
+    state_dict = {**shards.buffers, **{name: tensor(name) for name in shards.shapes}}
+    for alias, name in shards.aliases.items():  # tied weights are saved once
+        state_dict[alias] = state_dict[name]
+    checkpoint["state_dict"] = state_dict
+    checkpoint["optimizer_states"] = [{"state": state, "param_groups": groups}]
+    return checkpoint

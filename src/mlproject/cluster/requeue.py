@@ -40,7 +40,6 @@ from torch.nn.utils import get_total_norm
 
 from mlproject.checkpoint.storage import save_atomically
 from mlproject.core.constants import EXIT_DIVERGED, EXIT_SIGTERM
-from mlproject.core.errors import ConfigError
 from mlproject.utils import compat
 from mlproject.utils.rank_logging import get_logger
 
@@ -76,11 +75,15 @@ class Signals(L.Callback):
         self.received[signum] = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # feature: deepspeed
+        from mlproject.core.errors import ConfigError
+
         if self.skip_nonfinite and "DeepSpeed" in type(trainer.strategy).__name__:
             raise ConfigError(
                 "divergence.skip=true cannot zero DeepSpeed's gradients (it keeps them outside the parameters); "
                 "use divergence.skip=false (stop on a non-finite loss)"
             )
+        # /feature: deepspeed
         device = trainer.strategy.root_device
         self._first_nonfinite = torch.tensor(NEVER, device=device)
         self._skipped = torch.tensor(0, device=device)
@@ -262,6 +265,6 @@ class Signals(L.Callback):
         """Write last.ckpt where `ckpt_path=auto` looks (the checkpoint callback's directory), atomically."""
         ckpt = trainer.checkpoint_callback
         folder = ckpt.dirpath if ckpt and ckpt.dirpath else Path(trainer.default_root_dir) / "checkpoints"
-        path = f"{folder}/last.ckpt"  # folder may be an fsspec URL (s3://...), which Path would mangle
+        path = f"{folder}/last.ckpt"  # folder may be a URL, which Path would mangle
         save_atomically(trainer, path)
         return path

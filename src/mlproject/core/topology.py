@@ -61,7 +61,7 @@ def _devices(devices, accelerator: str) -> int:
 
 @dataclass(frozen=True)
 class Topology:
-    strategy: str  # single | ddp | ddp_spawn | deepspeed | fsdp | hsdp | tp | fsdp_tp, or a custom class name
+    strategy: str  # single | ddp | ddp_spawn | fsdp | hsdp | tp | fsdp_tp | another factory's name, or a custom class
     nodes: int = 1
     devices_per_node: int = 1
     tensor_parallel_size: int = 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -40,6 +39,7 @@ def launched_externally() -> bool:
 
 def check_launch(cfg: DictConfig, topology: Topology) -> None:
     nodes = topology.nodes
+    # feature: deepspeed
     if topology.strategy == "deepspeed" and topology.devices_per_node > 1 and _trials_share_this_process():
         raise ConfigError(  # deepspeed.utils.groups caches the first trial's process groups for the process's life
             "strategy=deepspeed_* in a multirun whose trials run in this one process: DeepSpeed keeps the first "
@@ -49,6 +49,7 @@ def check_launch(cfg: DictConfig, topology: Topology) -> None:
             " or run the sweep on SLURM"
             # /feature: slurm
         )
+    # /feature: deepspeed
     if nodes > 1 and cfg.get("run_id") == generated_run_id():
         raise ConfigError(
             f"trainer.num_nodes={nodes}: every node must write into one run directory, but this node made up "
@@ -110,7 +111,10 @@ def check_master_port(cfg: DictConfig, topology: Topology) -> None:
             raise ConfigError(f"MASTER_PORT={port} cannot be listened on here ({reason}); {fix}") from None
 
 
+# feature: deepspeed
 def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
+    import importlib.util
+
     if topology.strategy != "deepspeed":
         return
     if importlib.util.find_spec("deepspeed") is None:
@@ -136,6 +140,7 @@ def check_deepspeed(cfg: DictConfig, topology: Topology) -> None:
         )
 
 
+# /feature: deepspeed
 _children: list[subprocess.Popen] = []  # local ranks 1..N-1 that this process (local rank 0) started
 _polling = threading.Lock()  # Popen.poll() returns None in one thread while another thread polls
 _reported: set[int] = set()
@@ -226,6 +231,7 @@ def local_ranks_end():
             _reported.clear()
 
 
+# feature: deepspeed
 def _trials_share_this_process() -> bool:
     """A sweep whose trials Hydra's basic launcher runs one after another in this process."""
     from hydra.core.hydra_config import HydraConfig
@@ -233,6 +239,7 @@ def _trials_share_this_process() -> bool:
     return _in_sweep() and HydraConfig.get().launcher._target_.endswith(".BasicLauncher")
 
 
+# /feature: deepspeed
 def _in_sweep() -> bool:
     from hydra.core.hydra_config import HydraConfig
 

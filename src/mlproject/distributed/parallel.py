@@ -96,20 +96,25 @@ class ModelParallel(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's, except that with an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) the
-        shards go to torch.distributed.checkpoint.async_save: the loop waits for their copy, not their write;
-        and that `filepath` may be an fsspec URL (paths.ckpt_dir=s3://...), which DCP writes through its fsspec
-        writer, chosen by a URL checkpoint_id (Lightning's save makes it a Path: a local folder `s3:`)."""
+        shards go to torch.distributed.checkpoint.async_save: the loop waits for their copy, not their write."""
         import torch.distributed.checkpoint as dcp
         from fsspec.core import url_to_fs
 
-        from mlproject.checkpoint.convert import is_remote
         from mlproject.checkpoint.storage import AsyncCheckpointIO
 
         writer = self.checkpoint_io if isinstance(self.checkpoint_io, AsyncCheckpointIO) else None
-        if not (self._save_distributed_checkpoint and (writer or is_remote(filepath))):
+        remote = False
+        # feature: object_storage
+        from mlproject.checkpoint.object_storage import is_remote
+
+        # an fsspec URL (paths.ckpt_dir=s3://...), which DCP writes through its fsspec writer, chosen by a URL
+        # checkpoint_id (Lightning's save makes it a Path: a local folder `s3:`)
+        remote = is_remote(filepath)
+        # /feature: object_storage
+        if not (self._save_distributed_checkpoint and (writer or remote)):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         url = str(self.broadcast(str(filepath))).rstrip("/")
-        path = url if is_remote(url) else Path(url)
+        path = url if remote else Path(url)
         fs, _ = url_to_fs(url)
         fs.makedirs(url, exist_ok=True)
         state = {"state_dict": checkpoint.pop("state_dict")}
@@ -122,11 +127,12 @@ class ModelParallel(ModelParallelStrategy):
         else:
             dcp.save(state, checkpoint_id=path)
 
+    # feature: object_storage
     def remove_checkpoint(self, filepath) -> None:
-        # In object storage a sharded folder loses its DCP .metadata first (storage.remove_remote), after any
-        # save queued ahead of the removal (AsyncCheckpointIO.then).
-        from mlproject.checkpoint.convert import is_remote
-        from mlproject.checkpoint.storage import AsyncCheckpointIO, remove_remote
+        # In object storage a sharded folder loses its DCP .metadata first (object_storage.remove_remote), after
+        # any save queued ahead of the removal (AsyncCheckpointIO.then).
+        from mlproject.checkpoint.object_storage import is_remote, remove_remote
+        from mlproject.checkpoint.storage import AsyncCheckpointIO
 
         if not is_remote(filepath):
             return super().remove_checkpoint(filepath)
@@ -137,6 +143,7 @@ class ModelParallel(ModelParallelStrategy):
             else:
                 remove_remote(str(filepath))
 
+    # /feature: object_storage
     @property
     def distributed_sampler_kwargs(self) -> dict:
         dp = self.meshes["data_parallel"]
@@ -144,7 +151,7 @@ class ModelParallel(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         """Each rank reads only what it will hold. A sharded directory: DCP reshards it (Lightning's load). A
-        full file (single, ddp) or a DeepSpeed directory: each rank reads the blocks of every parameter and
+        full file (single, ddp), or another strategy's folder: each rank reads the blocks of every parameter and
         AdamW moment that its shards hold, by element range (`_load_shards`; not memory-mapped, whose pages
         would count as the rank's memory, nor gathered on rank 0 as torch's full-state-dict loader does). Their
         optimizer state is keyed by position, which Lightning maps to parameters in module order: it is
@@ -158,28 +165,27 @@ class ModelParallel(ModelParallelStrategy):
             check_fits,
             check_unpickles,
             checkpoint_format,
-            deepspeed_checkpoint,
-            is_remote,
-            name_optimizer_states,
             refusing,
             saved_shapes,
             sliced_file,
             trusted,
         )
-        from mlproject.checkpoint.zero_shards import ZeroShards
-        from mlproject.core.errors import CheckpointError
 
         path = self.broadcast(str(checkpoint_path))
-        if is_remote(path) and checkpoint_format(path) != "sharded":
-            raise CheckpointError(
-                f"{path}: a single-file checkpoint in object storage resumes under strategy=single or ddp; "
-                "copy it to a local path for a sharded strategy"
-            )
+        # feature: object_storage
+        from mlproject.checkpoint import object_storage
+
+        remote = object_storage.is_remote(path)
+        if remote:
+            object_storage.check_sharded(path, checkpoint_format(path))
+        # /feature: object_storage
         check_unpickles(path)
         stage = getattr(self.lightning_module, "pipeline", None) is not None
         check_fits(saved_shapes(path), self.lightning_module, path, stage)
-        if is_remote(path):
+        # feature: object_storage
+        if remote:
             return self._load_sharded_url(path)
+        # /feature: object_storage
         path = Path(path)
         sharded = path.is_dir() and checkpoint_format(path) == "sharded"  # a file's format check reads it all (CRC)
         if sharded or (path.is_file() and not self.optimizers):
@@ -188,14 +194,21 @@ class ModelParallel(ModelParallelStrategy):
         # Positions count every parameter of the writer, so under a pipeline every stage's names are needed
         # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
         orders = [self.param_names(optimizer) for optimizer in self.optimizers]
-        if path.is_file():
-            checkpoint, read = sliced_file(path, orders)
-        else:
+        # feature: deepspeed
+        if path.is_dir():  # a DeepSpeed directory: its ZeRO partitions, read by element range as a file is
+            from mlproject.checkpoint.convert import name_optimizer_states
+            from mlproject.checkpoint.zero_shards import ZeroShards, deepspeed_checkpoint
+
             shards = ZeroShards(path)
-            checkpoint, read = name_optimizer_states(deepspeed_checkpoint(shards, full=False), orders), shards.read
+            checkpoint = name_optimizer_states(deepspeed_checkpoint(shards, full=False), orders)
+            self._load_shards(shards.read, checkpoint)
+            return checkpoint
+        # /feature: deepspeed
+        checkpoint, read = sliced_file(path, orders)
         self._load_shards(read, checkpoint)
         return checkpoint  # the rest (loops, callbacks, schedulers), which Lightning restores next
 
+    # feature: object_storage
     def _load_sharded_url(self, url: str) -> dict:
         """Lightning's load of a sharded folder (its _load_checkpoint) from an fsspec URL: DCP reads through its
         fsspec reader, chosen by a URL checkpoint_id, and reshards as it does from a local folder."""
@@ -221,6 +234,7 @@ class ModelParallel(ModelParallelStrategy):
         with fsspec.open(f"{url}/meta.pt", "rb") as f:
             return load_file(f, f"{url}/meta.pt")  # the rest (loops, callbacks, schedulers)
 
+    # /feature: object_storage
     @torch.no_grad()
     def _load_shards(self, read, checkpoint: dict) -> None:
         """Weights and optimizer state into this rank's shards, as sharded state dicts: `read(name, key, start,
@@ -533,7 +547,7 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
     if not isinstance(strategy, ModelParallel):
         if compile:
             apply_compile(net)
-        if dist.is_available() and dist.is_initialized():  # ddp, deepspeed: every rank reads its own batch
+        if dist.is_available() and dist.is_initialized():  # ddp and the like: every rank reads its own batch
             set_batch_group(net, dist.group.WORLD)
         return
     check_same_weights(net, strategy)

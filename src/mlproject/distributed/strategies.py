@@ -36,6 +36,7 @@ def ddp_spawn(timeout: float = 1800, start_method: str = "spawn", **kwargs):
     return DDPStrategy(start_method=start_method, timeout=timedelta(seconds=timeout), **kwargs)
 
 
+# feature: deepspeed
 def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kwargs):
     """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     from mlproject.distributed.zero import ZeroStrategy, use_extensions_cache
@@ -56,6 +57,7 @@ def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kw
     return strategy
 
 
+# /feature: deepspeed
 def model_parallel(timeout: float = 1800, **degrees):
     """FSDP2 (HSDP with replicate_size > 1), tensor, expert and pipeline parallelism, applied by the model's
     configure_model (distributed/parallel.py, distributed/pipeline.py). `degrees`: ModelParallel's arguments."""

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -14,7 +11,6 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from mlproject.checkpoint.convert import download, is_remote
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.utils import compat
 
@@ -35,8 +31,12 @@ def loads_natively(path: Path, world: int, zero3: bool) -> bool:
     return (ranks, stage3) == (world, zero3)
 
 
+# feature: object_storage
 def staging(url: str) -> Path:
     """This node's folder for a copy of the checkpoint at `url`: the same on every rank of the node."""
+    import hashlib
+    import tempfile
+
     key = hashlib.sha1(url.encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "mlproject-deepspeed" / key
 
@@ -52,6 +52,7 @@ def upload(local: Path, url: str, skip: str | None = None, only: str | None = No
             fs.put_file(str(file), f"{url.rstrip('/')}/{name}")
 
 
+# /feature: object_storage
 class ZeroStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy, plus a CPU mode and a working `sync_batchnorm`."""
 
@@ -83,10 +84,15 @@ class ZeroStrategy(DeepSpeedStrategy):
             self.model = self._layer_sync.apply(self.model)
         super().setup(trainer)
 
+    # feature: object_storage
     # DeepSpeed reads and writes its checkpoint folders with local file I/O: a checkpoint in object storage
     # (paths.ckpt_dir=s3://...) goes through a copy on each node's disk (staging), uploaded or downloaded by the
     # node's local rank 0.
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        import shutil
+
+        from mlproject.checkpoint.object_storage import is_remote
+
         filepath = self.broadcast(str(filepath))
         if not is_remote(filepath):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -106,18 +112,31 @@ class ZeroStrategy(DeepSpeedStrategy):
             shutil.rmtree(local)
 
     def remove_checkpoint(self, filepath) -> None:
-        if is_remote(filepath):
-            from mlproject.checkpoint.storage import remove_remote
+        from mlproject.checkpoint.object_storage import is_remote, remove_remote
 
+        if is_remote(filepath):
             if self.is_global_zero:
                 remove_remote(str(filepath))  # `latest` first: no partly removed folder reads as complete
             return
         super().remove_checkpoint(filepath)
 
+    # /feature: object_storage
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         path = self.broadcast(str(checkpoint_path))
-        if not is_remote(path):
-            return self._load_local(Path(path), weights_only)
+        # feature: object_storage
+        from mlproject.checkpoint.object_storage import is_remote
+
+        if is_remote(path):
+            return self._load_url(path, weights_only)
+        # /feature: object_storage
+        return self._load_local(Path(path), weights_only)
+
+    # feature: object_storage
+    def _load_url(self, path: str, weights_only=None):
+        import shutil
+
+        from mlproject.checkpoint.object_storage import download
+
         local = staging(path)
         if self.local_rank == 0:
             shutil.rmtree(local, ignore_errors=True)
@@ -132,6 +151,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             elif self.local_rank == 0:
                 local.unlink()
 
+    # /feature: object_storage
     def _load_local(self, path: Path, weights_only=None):
         # DeepSpeed's engine loads only its own checkpoints of the same world size and ZeRO layout. Any other is
         # scattered into this rank's partitions, reading only the slices it will hold: from another DeepSpeed

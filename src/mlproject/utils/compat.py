@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import os
-from contextlib import contextmanager
 
 import torch
 
@@ -154,10 +153,10 @@ def quiet_sigterm(trainer, on_signal) -> None:
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
 
+# feature: deepspeed
 # --- DeepSpeed -------------------------------------------------------------------------------------------
 
 
-@contextmanager
 def no_shm_allreduce():
     """DeepSpeed's CPU backend without its shared-memory all-reduce, for the `with` block only: it probes
     compilers and JIT-compiles (~20 s) at start, though only inference uses it; training reduces over gloo.
@@ -165,8 +164,7 @@ def no_shm_allreduce():
     import importlib
     from unittest import mock
 
-    with mock.patch.object(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", return_value=None):
-        yield
+    return mock.patch.object(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", return_value=None)
 
 
 def zero_init_optimizer_state(zero) -> None:
@@ -193,3 +191,6 @@ def zero12_fragment(param, key: str | None) -> tuple[torch.Tensor, int, int] | N
 def zero3_publish(zero, group: int) -> None:
     """ZeRO-3's module parameters of param group `group` from the fp32 master, as after an optimizer step."""
     zero._reassign_or_swap_out_partitioned_parameters(group)
+
+
+# /feature: deepspeed
