@@ -443,6 +443,12 @@ def without_feature(request, tmp_path_factory) -> tuple[Path, str]:
     return root, request.param
 
 
+def project_tests(root: Path, *files: str) -> None:
+    """The generated project's own tests `files`, run with its package."""
+    env = clean_env(PYTHONPATH=str(root / "src"))
+    sh(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, cwd=root, env=env)
+
+
 def test_a_left_out_feature_leaves_nothing_behind(without_feature):
     """Its files, its lines in shared files, its extras and the locked packages only it needed go; the rest is
     a clean project: it compiles, lints, and its locks still match its pyproject."""
@@ -455,18 +461,7 @@ def test_a_left_out_feature_leaves_nothing_behind(without_feature):
     env = clean_env(PYTHONPATH=str(root / "src"))
     sh(sys.executable, "-m", "ruff", "check", "--no-cache", ".", cwd=root, env=env)
     sh(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".", cwd=root, env=env)
-    sh(
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "tests/test_lock.py",
-        "tests/test_layers.py",
-        cwd=root,
-        env=env,
-    )
+    project_tests(root, "tests/test_lock.py", "tests/test_layers.py")
     needed = {extra for name, f in rename_project.FEATURES.items() if name != feature for extra in f.extras}
     pyproject = (root / "pyproject.toml").read_text()
     for extra in set(rename_project.FEATURES[feature].extras) - needed:
@@ -516,14 +511,4 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
     for name, feature in rename_project.FEATURES.items():
         assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
     assert not (root / ".github/workflows/projects.yml").exists()
-    sh(
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "tests/test_lock.py",
-        cwd=root,
-        env=clean_env(PYTHONPATH=str(root / "src")),
-    )
+    project_tests(root, "tests/test_lock.py")
