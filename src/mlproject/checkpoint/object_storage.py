@@ -140,15 +140,15 @@ def load_full(path: str, fmt: str, load_folder: Callable[[str], dict[str, Any]])
         return load_folder(tmp)
 
 
-def last_checkpoint(ckpt_dir: str, checkpoint_format: Callable[[str], str]) -> str | None:
+def last_checkpoint(ckpt_dir: str, format_of: Callable[[str], str]) -> str | None:
     """The checkpoint `ckpt_path=auto` resumes from in object storage: `<ckpt_dir>/last.ckpt` if complete, else
     a complete `last.ckpt.tmp` (a crash while a sharded last.ckpt was replaced leaves it: replace), else an
-    incomplete last.ckpt (for checkpoint_format, convert's, to refuse in one line), else None (start fresh)."""
+    incomplete last.ckpt (for `format_of`, convert's checkpoint_format, to refuse), else None (start fresh)."""
     from fsspec.core import url_to_fs
 
     def complete(url: str) -> bool:
         try:
-            return bool(checkpoint_format(url))
+            return bool(format_of(url))
         except CheckpointError:
             return False
 
