@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from itertools import combinations
 from pathlib import Path
 
@@ -44,11 +45,18 @@ def tool_env(tmp_path_factory) -> dict[str, str]:
 
 
 def sh(*cmd, cwd: Path, env: dict, timeout: int = 180) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run a command; fails with the tail of its output, on a timeout too. Its output goes to files, not pipes: a
+    process it leaves behind would hold a pipe open, and the wait for its end with it, until the timeout."""
+    cmd = [str(c) for c in cmd]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            code = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = f"nothing: it ran past {timeout} s"
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
     if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -341,7 +349,7 @@ def move_in_lht(root: Path, package: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # a whole fast suite, beside the other xdist worker's tests
+@pytest.mark.timeout(2700)  # a whole fast suite, cold, beside the other xdist worker's tests: ~8-14 min
 def test_every_subset_passes_its_fast_tests(subset_project):
     """`make test-fast` of the generated project, with an LHT project's model and data moved in (its config
     tests instantiate them with the project's own, no test changed): a process of its own, another package."""
@@ -349,20 +357,8 @@ def test_every_subset_passes_its_fast_tests(subset_project):
     if len(kept) == len(rename_project.EXAMPLES):
         pytest.skip("all examples kept: this suite renamed, covered by the single-example subsets (~1 min saved)")
     move_in_lht(root, "cool_net")
-    env = clean_env(PYTHONPATH=str(root / "src"))
-    sh(
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "not slow",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        cwd=root,
-        env=env,
-        timeout=1200,
-    )
+    # -v: on a timeout, the tail names the test that was running
+    project_tests(root, "-m", "not slow", "-v", timeout=2400)
 
 
 def test_a_gpt_only_project_configs_never_mention_digits(tmp_path):
@@ -443,10 +439,10 @@ def without_feature(request, tmp_path_factory) -> tuple[Path, str]:
     return root, request.param
 
 
-def project_tests(root: Path, *files: str) -> None:
-    """The generated project's own tests `files`, run with its package."""
+def project_tests(root: Path, *args: str, timeout: int = 180) -> None:
+    """`pytest args...` of the generated project's own tests, run with its package."""
     env = clean_env(PYTHONPATH=str(root / "src"))
-    sh(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, cwd=root, env=env)
+    sh(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, cwd=root, env=env, timeout=timeout)
 
 
 def test_a_left_out_feature_leaves_nothing_behind(without_feature):
@@ -461,7 +457,7 @@ def test_a_left_out_feature_leaves_nothing_behind(without_feature):
     env = clean_env(PYTHONPATH=str(root / "src"))
     sh(sys.executable, "-m", "ruff", "check", "--no-cache", ".", cwd=root, env=env)
     sh(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".", cwd=root, env=env)
-    project_tests(root, "tests/test_lock.py", "tests/test_layers.py")
+    project_tests(root, "-q", "tests/test_lock.py", "tests/test_layers.py")
     needed = {extra for name, f in rename_project.FEATURES.items() if name != feature for extra in f.extras}
     pyproject = (root / "pyproject.toml").read_text()
     for extra in set(rename_project.FEATURES[feature].extras) - needed:
@@ -511,4 +507,4 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
     for name, feature in rename_project.FEATURES.items():
         assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
     assert not (root / ".github/workflows/projects.yml").exists()
-    project_tests(root, "tests/test_lock.py")
+    project_tests(root, "-q", "tests/test_lock.py")

@@ -20,7 +20,7 @@ def test_master_port_in_use_is_refused_in_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
-        proc = run("train", *DDP, log_dir=tmp_path, env=clean_env(MASTER_PORT=str(port)), check=False, timeout=60)
+        proc = run("train", *DDP, log_dir=tmp_path, env=clean_env(MASTER_PORT=str(port)), check=False)
     assert proc.returncode == 2
     assert proc.stderr == f"error: MASTER_PORT={port} cannot be listened on here (address already in use); {FIX}.\n"
     assert not run_dirs(tmp_path)
