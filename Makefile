@@ -125,13 +125,18 @@ format: install-dev ## ruff auto-fix and format
 prepare: install ## prepare a dataset on disk ahead of training: make prepare ARGS="data=tokens data.source='texts/*.txt'"
 	$(PY) -m mlproject.prepare $(OVERRIDES)
 
+# feature: planner
 .PHONY: plan
 plan: install ## memory per rank of each layout, and the one to use: make plan ARGS="experiment=gpt_large trainer.num_nodes=8"
 	$(PY) -m mlproject.plan $(OVERRIDES)
+# /feature: planner
 
 # feature: slurm, kubernetes
 .PHONY: submit submit-dryrun
-submit: install ## submit training to the cluster's scheduler (plans first; ARGS="--no-plan ..." skips it): make submit ARGS="trainer=gpu cluster.gpus_per_node=8"
+# feature: planner
+# submit plans the job's memory first (make plan); ARGS="--no-plan ..." skips that
+# /feature: planner
+submit: install ## submit training to the cluster's scheduler: make submit ARGS="trainer=gpu cluster.gpus_per_node=8"
 	$(PY) -m mlproject.submit $(OVERRIDES)
 
 submit-dryrun: install ## print the job (the scheduler's script or manifest) `make submit` would submit

@@ -224,6 +224,9 @@ FEATURES = {
         ),
         extras=("s3",),
     ),
+    "planner": Feature(  # make plan: memory per rank of each layout; runs and jobs refused before they cannot fit
+        paths=("src/{pkg}/plan.py", "tests/test_plan.py", "tests/test_preflight_memory_gpt.py", "docs/planning.md"),
+    ),
 }
 MARKER = re.compile(r"^[ \t]*(?:#|<!--)[ \t]*(/?)feature:[ \t]*([\w, ]+?)[ \t]*(?:-->)?[ \t]*$")
 LOCKS = "requirements*.lock"

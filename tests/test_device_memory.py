@@ -1,6 +1,6 @@
-"""A GPU's memory and compute capability are read through NVML, never through torch.cuda: `make plan` and
-preflight ask in the launching process, before Lightning starts the ranks, and CUDA initialised there would break
-the ranks it forks and hold a context on the first GPU in every process.
+"""A GPU's compute capability (the default precision) and memory (the planner's) are read through NVML, never
+through torch.cuda: they are asked in the launching process, before Lightning starts the ranks, and CUDA initialised
+there would break the ranks it forks and hold a context on the first GPU in every process.
 
 This host has no GPU: a child process loads a stand-in libnvidia-ml.so.1 (compiled here from the few NVML calls
 the reader makes) and counts every call into torch.cuda's functions, wrapped around the real ones.
@@ -17,10 +17,9 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from mlproject.core.constants import PROJECT_ROOT
-from mlproject.plan import GiB, device_memory
+from mlproject.core.resolvers import gpu_capability
 from tests.helpers.processes import clean_env
 
 # Two GPUs: an H100 of 80 GiB and a T4 of 15 GiB. `status` is what every call returns (nonzero: an NVML error).
@@ -59,13 +58,18 @@ for name, fn in list(vars(torch.cuda).items()):
 
 READ = """
 import json
-from omegaconf import OmegaConf
 from mlproject.core.resolvers import gpu_capability
+# feature: planner
+from omegaconf import OmegaConf
 from mlproject.plan import device_memory
+# /feature: planner
 calls.clear()
-local = OmegaConf.create({"cluster": {"gpu_memory_gb": None}})
-configured = OmegaConf.create({"cluster": {"gpu_memory_gb": 40}})
-print(json.dumps([device_memory(local), gpu_capability(), device_memory(configured), calls]))
+read = {"capability": gpu_capability()}
+# feature: planner
+read["memory"] = device_memory(OmegaConf.create({"cluster": {"gpu_memory_gb": None}}))
+read["configured"] = device_memory(OmegaConf.create({"cluster": {"gpu_memory_gb": 40}}))
+# /feature: planner
+print(json.dumps({**read, "calls": calls}))
 """
 
 
@@ -89,18 +93,27 @@ def read_in_child(tmp_path, status: int):
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_memory_and_capability_come_from_nvml_with_no_call_into_torch_cuda(tmp_path):
-    memory, capability, configured, calls = read_in_child(tmp_path, status=0)
-    assert memory == 15 * GiB  # the smallest GPU: a layout must fit on every one
-    assert capability == [7, 5]  # the lowest: 16-mixed on a T4 even beside an H100
-    assert configured == 40 * GiB  # cluster.gpu_memory_gb wins over the GPUs here
-    assert calls == []
+def test_the_gpus_are_read_through_nvml_with_no_call_into_torch_cuda(tmp_path):
+    read = read_in_child(tmp_path, status=0)
+    assert read["capability"] == [7, 5]  # the lowest: 16-mixed on a T4 even beside an H100
+    # feature: planner
+    from mlproject.plan import GiB
+
+    assert read["memory"] == 15 * GiB  # the smallest GPU: a layout must fit on every one
+    assert read["configured"] == 40 * GiB  # cluster.gpu_memory_gb wins over the GPUs here
+    # /feature: planner
+    assert read["calls"] == []
 
 
-def test_nvml_that_does_not_answer_leaves_memory_unknown(tmp_path):
-    memory, capability, configured, calls = read_in_child(tmp_path, status=1)
-    assert memory is None and capability is None  # `make plan`: "device memory unknown: set cluster.gpu_memory_gb"
-    assert configured == 40 * GiB and calls == []
+def test_nvml_that_does_not_answer_leaves_the_gpus_unknown(tmp_path):
+    read = read_in_child(tmp_path, status=1)
+    assert read["capability"] is None and read["calls"] == []
+    # feature: planner
+    from mlproject.plan import GiB
+
+    assert read["memory"] is None  # `make plan`: "device memory unknown: set cluster.gpu_memory_gb"
+    assert read["configured"] == 40 * GiB
+    # /feature: planner
 
 
 @pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="NVML is installed on this host")
@@ -110,6 +123,13 @@ def test_without_nvml_the_memory_is_unknown_and_torch_cuda_untouched(monkeypatch
     for name, fn in list(vars(torch.cuda).items()):
         if inspect.isfunction(fn):
             monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, _f=fn, **k: calls.append(_n) or _f(*a, **k))
+    assert gpu_capability() is None
+    # feature: planner
+    from omegaconf import OmegaConf
+
+    from mlproject.plan import device_memory
+
     assert device_memory(OmegaConf.create({"cluster": {"gpu_memory_gb": None}})) is None
     assert device_memory(OmegaConf.create({})) is None
+    # /feature: planner
     assert calls == []

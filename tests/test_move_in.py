@@ -87,6 +87,7 @@ def test_the_config_tests_accept_the_user_files(compose_cfg, user_code, monkeypa
         test_configs.test_every_config_key_has_a_comment()
 
 
+# feature: planner
 def test_the_plan_counts_the_model_states_and_says_the_batch_is_unknown(user_code, capsys):
     """The datamodule's own loaders set its batch size: the plan says so and still counts parameters,
     gradients and Adam's state, from the real model."""
@@ -107,12 +108,20 @@ def test_the_plan_counts_the_model_states_and_says_the_batch_is_unknown(user_cod
     assert "activations: ? (not counted): the datamodule sets its batch size" in capsys.readouterr().out
 
 
+# /feature: planner
 # feature: slurm
-def test_submit_renders_the_job_with_its_memory_plan(user_code, capsys, no_sbatch):
+def test_submit_renders_the_job(user_code, capsys, no_sbatch):
     from mlproject import submit
 
-    gpus = ["trainer=gpu", "cluster.nodes=1", "cluster.gpus_per_node=2"]
-    assert submit.main(["--dry-run", *PROJECT, *gpus, "cluster.gpu_memory_gb=80"]) == 0
+    gpus = [
+        "trainer=gpu",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=2",
+        # feature: planner
+        "cluster.gpu_memory_gb=80",  # the memory plan of the job fits
+        # /feature: planner
+    ]
+    assert submit.main(["--dry-run", *PROJECT, *gpus]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --gpus-per-node=2" in script and "data=digits_lht model=mnist" in script
 

@@ -384,6 +384,7 @@ WORDS = {
     "mlflow": r"mlflow",
     "deepspeed": r"deepspeed|zero_shards",
     "object_storage": r"s3fs|s3://|object storage|moto",
+    "planner": r"make plan|\.plan import|import plan\b|check_memory|gpu_memory|no-plan|planning\.md|memory planner",
 }
 
 
@@ -503,7 +504,7 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
     )
     answers = yaml.safe_load((root / ".copier-answers.yml").read_text())
     chosen = {*answers["clusters"], *answers["loggers"], *answers["parallelism"], answers["checkpoint_storage"]}
-    chosen |= {"sweeps"} if answers["sweeps"] else set()
+    chosen |= {name for name in ("sweeps", "planner") if answers[name]}
     for name, feature in rename_project.FEATURES.items():
         assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
     assert not (root / ".github/workflows/projects.yml").exists()

@@ -8,6 +8,7 @@ import difflib
 import importlib
 import inspect
 import re
+import warnings
 from pathlib import Path
 
 from hydra.errors import InstantiationException
@@ -177,6 +178,46 @@ def instantiate_all(cfg: DictConfig, group: str) -> list:
         for name, c in node.items()
         if isinstance(c, DictConfig) and "_target_" in c
     ]
+
+
+# The model config's LightningModule as last built on the meta device: the checks before training take copies of
+# it, so a user's __init__ runs once per process for them (nanoGPT prints its size once)
+_built: tuple[str, object] | None = None
+
+
+def meta_model(cfg: DictConfig):
+    """The LightningModule of the config, on the meta device, in the dtype its precision stores weights in: a copy
+    of the one built for this model config."""
+    import copy
+
+    import torch
+
+    def build():
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
+            return instantiate_at(cfg, "model")  # as train builds it; a bad key: one line naming it
+
+    global _built
+    key = OmegaConf.to_yaml(cfg.model, resolve=True)
+    if _built is None or _built[0] != key:
+        _built = (key, build())
+    try:
+        model = copy.deepcopy(_built[1])
+    except Exception:  # noqa: BLE001 (what a module holds, e.g. an open file, is its own: build it again)
+        model = build()
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(cfg.trainer.precision))
+    return model.to(dtype) if dtype else model
+
+
+def meta_network(cfg: DictConfig):
+    """The model on the meta device (no memory, no initialisation) after its configure_model (a lazy build), for
+    the checks that read the network as built; None where it does not build there (train's build reports why)."""
+    try:
+        model = meta_model(cfg)
+        model.configure_model()  # the template's parallelize does nothing outside a Trainer
+    except Exception:  # noqa: BLE001
+        return None
+    return model
 
 
 def build_trainer(cfg: DictConfig, callbacks: list, plugins: tuple = ()):

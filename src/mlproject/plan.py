@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
+from mlproject.build import meta_model, meta_network
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
 
@@ -62,49 +63,6 @@ def fake_world(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
-
-
-# The model config's LightningModule as last built on the meta device: preflight's checks and each layout's
-# estimate shard copies of it, so a user's __init__ runs once per process for planning (nanoGPT prints its size once)
-_built: tuple[str, object] | None = None
-
-
-def meta_model(cfg: DictConfig):
-    """The LightningModule of the config, on the meta device, in the dtype its precision stores weights in: a copy
-    of the one built for this model config."""
-    import copy
-
-    import torch
-    from omegaconf import OmegaConf
-
-    from mlproject.build import instantiate_at
-
-    def build():
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # metrics warn about states they cannot sync here
-            return instantiate_at(cfg, "model")  # as train builds it; a bad key: one line naming it
-
-    global _built
-    key = OmegaConf.to_yaml(cfg.model, resolve=True)
-    if _built is None or _built[0] != key:
-        _built = (key, build())
-    try:
-        model = copy.deepcopy(_built[1])
-    except Exception:  # noqa: BLE001 (what a module holds, e.g. an open file, is its own: build it again)
-        model = build()
-    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(str(cfg.trainer.precision))
-    return model.to(dtype) if dtype else model
-
-
-def meta_network(cfg: DictConfig):
-    """The model on the meta device (no memory, no initialisation) after its configure_model (a lazy build), for
-    the checks that read the network as built; None where it does not build there (train's build reports why)."""
-    try:
-        model = meta_model(cfg)
-        model.configure_model()  # the template's parallelize does nothing outside a Trainer
-    except Exception:  # noqa: BLE001
-        return None
-    return model
 
 
 def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int, int]:

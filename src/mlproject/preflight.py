@@ -102,6 +102,7 @@ def check_vocabulary(cfg: DictConfig, network) -> None:
     )
 
 
+# feature: planner
 def available_ram() -> int | None:
     """Bytes the kernel says new allocations can take without swapping (MemAvailable); None off Linux."""
     try:
@@ -163,6 +164,7 @@ def check_memory(cfg: DictConfig, topology: Topology) -> None:
     )
 
 
+# /feature: planner
 def checked_by_rank_0() -> bool:
     """Whether global rank 0 makes, for this process, the checks that cost a compose or a model build: where its
     refusal ends this process too. The local ranks launch_local_ranks starts after rank 0's checks; torchrun's workers
@@ -185,9 +187,9 @@ def checked_by_rank_0() -> bool:
 
 def preflight(cfg: DictConfig) -> Topology:
     """Check the composed config as a whole; returns the job's validated topology."""
+    from mlproject.build import meta_network
     from mlproject.distributed.launch import check_launch
     from mlproject.distributed.strategies import check_model_parallel, check_plan
-    from mlproject.plan import meta_network
 
     refuse_url_paths(cfg)  # also in Hydra's callback, before it makes the run directory; here for train(cfg) too
 
@@ -211,7 +213,10 @@ def preflight(cfg: DictConfig) -> Topology:
     topology.validate()
     check_model_parallel(cfg, topology)
     if not checked:
-        network = meta_network(cfg)  # the model built once: check_memory's estimate copies it
+        # the model built on the meta device, once (later checks take copies), where a check reads it: a token
+        # embedding against the data's vocabulary, a model-parallel plan against its layers
+        reads = (cfg.get("data") or {}).get("vocab_size") is not None or topology.model_parallel
+        network = meta_network(cfg) if reads else None
         check_vocabulary(cfg, network)
         check_plan(cfg, topology, network)
     ckpt = cfg.get("ckpt_path")
@@ -224,6 +229,8 @@ def preflight(cfg: DictConfig) -> Topology:
 
     check_deepspeed(cfg, topology)
     # /feature: deepspeed
+    # feature: planner
     if not checked:
         check_memory(cfg, topology)
+    # /feature: planner
     return topology

@@ -1,15 +1,14 @@
 # feature: slurm, kubernetes
-"""Submit training to a cluster: `python -m mlproject.submit [--dry-run] [--no-plan] [overrides]`.
+"""Submit training to a cluster: `python -m mlproject.submit [--dry-run] [overrides]`.
 
 Composes the same config `python -m mlproject.train` would (with the first cluster of SCHEDULERS unless another
-cluster is given), refuses settings the job could not run and, unless `--no-plan`, a layout that would not fit the
-GPUs' memory (mlproject.plan), then writes the job (its scheduler's module, in mlproject.cluster) and gives it to
-the scheduler's client. The job runs `python -m mlproject.train` with the same overrides in every process.
+cluster is given), refuses settings the job could not run, then writes the job (its scheduler's module, in
+mlproject.cluster) and gives it to the scheduler's client. The job runs `python -m mlproject.train` with the same
+overrides in every process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import shutil
 import subprocess
@@ -24,7 +23,6 @@ from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.errors import ConfigError
 from mlproject.core.resolvers import register_resolvers
 from mlproject.core.rundir import check_names
-from mlproject.plan import check_fits
 
 # The values of cluster.scheduler, each the name of its module in mlproject.cluster, which has
 # check_before_submit(cfg, overrides) -> Topology and job(cfg, topology, overrides) -> jobs.Job.
@@ -41,8 +39,11 @@ SCHEDULERS = [
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    dry_run, check_memory = "--dry-run" in args, "--no-plan" not in args
-    overrides = [a for a in args if a not in ("--dry-run", "--no-plan")]
+    dry_run, overrides = "--dry-run" in args, [a for a in args if a != "--dry-run"]
+    # feature: planner
+    # --no-plan: submit without the memory plan that refuses a layout the GPUs cannot hold (mlproject.plan)
+    plan, overrides = "--no-plan" not in args, [a for a in overrides if a != "--no-plan"]
+    # /feature: planner
     if not any(o.lstrip("+~").startswith("cluster=") for o in overrides):
         overrides = [f"cluster={SCHEDULERS[0]}", *overrides]
     register_resolvers()
@@ -57,10 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             # for the job's own id, which the scheduler gives it and which is a folder name
             check_names(OmegaConf.create({"task_name": cfg.task_name, "run_id": given_run_id(cfg) or "job-id"}))
             topology = scheduler.check_before_submit(cfg, overrides)
-            if check_memory and cfg.cluster.get("gpus_per_node"):  # the plan is of GPU memory
+            # feature: planner
+            if plan and cfg.cluster.get("gpus_per_node"):  # the plan is of GPU memory
+                import contextlib
+
+                from mlproject.plan import check_fits
+
                 # what the planner's imports print (a library's accelerator warning) is not the script or manifest
                 with contextlib.redirect_stdout(sys.stderr):
                     check_fits(overrides)
+            # /feature: planner
         job = scheduler.job(cfg, topology, overrides)
     except ERRORS as exc:  # one line and exit 2, as in train
         print(f"error: {one_line(exc)}", file=sys.stderr)

@@ -22,6 +22,7 @@ from mlproject.cluster.kubernetes import JOBSET_NAME, MARGIN_SECONDS, check_in_j
 from mlproject.core.constants import PROJECT_ROOT
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
+from tests.cluster import NO_PLAN
 
 CRDS = Path(__file__).parent / "kubeflow_crds"  # kubeflow/trainer v2.3.0 (README.md there)
 SHA256 = {
@@ -114,7 +115,7 @@ def test_contradicting_layout_is_refused(capsys, no_sbatch, override, message):
 
 @pytest.mark.parametrize(("override", "run_id"), [([], "digits-k8s"), (["run_id=abc"], "abc")], ids=["job", "given"])
 def test_dry_run_prints_the_run_directory_the_pods_write(capsys, compose_cfg, no_sbatch, monkeypatch, override, run_id):
-    assert submit.main(["--dry-run", "--no-plan", "cluster=kubernetes", "cluster.job_name=digits-k8s", *override]) == 0
+    assert submit.main(["--dry-run", *NO_PLAN, "cluster=kubernetes", "cluster.job_name=digits-k8s", *override]) == 0
     out = capsys.readouterr().out
     _, job = yaml.safe_load_all(out)
     monkeypatch.setenv("MLPROJECT_RUN_ID", job["metadata"]["name"])  # the pods' id: the downward API's label
@@ -126,7 +127,7 @@ def test_dry_run_prints_the_run_directory_the_pods_write(capsys, compose_cfg, no
 
 def test_submit_without_kubectl_says_so(capsys, no_sbatch, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl here (nor anywhere on this machine's tests)
-    assert submit.main(["--no-plan", "cluster=kubernetes", "trainer=gpu"]) == 1
+    assert submit.main([*NO_PLAN, "cluster=kubernetes", "trainer=gpu"]) == 1
     assert "error: kubectl not found; install it, or write the manifest with --dry-run" in capsys.readouterr().err
 
 

@@ -18,6 +18,7 @@ from mlproject.cluster import kubernetes
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
+from tests.cluster import NO_PLAN
 from tests.cluster.test_kubernetes import kubelet_expand
 
 HOSTILE = {
@@ -133,7 +134,7 @@ def test_derived_job_name_is_a_kubernetes_name(composed, task_name, derived):
     ids=["job-name", "namespace", "mount-path", "log-dir-up"],
 )
 def test_kubernetes_names_and_paths_are_refused_in_one_line(capsys, no_sbatch, override, message):
-    assert submit.main(["--dry-run", "--no-plan", "cluster=kubernetes", "trainer=gpu", override]) == 2
+    assert submit.main(["--dry-run", *NO_PLAN, "cluster=kubernetes", "trainer=gpu", override]) == 2
     captured = capsys.readouterr()
     assert not captured.out and captured.err == f"error: {message}.\n"
 
@@ -141,7 +142,7 @@ def test_kubernetes_names_and_paths_are_refused_in_one_line(capsys, no_sbatch, o
 def test_folder_names_are_checked_before_submission(capsys, no_sbatch):
     """They name folders of the paths the job writes (core/rundir.py's rule, which the job applies too)."""
     key, value = "run_id", "a/b"
-    assert submit.main(["--dry-run", "--no-plan", "cluster=kubernetes", "trainer=gpu", f"{key}={value}"]) == 2
+    assert submit.main(["--dry-run", *NO_PLAN, "cluster=kubernetes", "trainer=gpu", f"{key}={value}"]) == 2
     captured = capsys.readouterr()
     assert not captured.out and captured.err == (
         f"error: {key}={value!r} must be one folder name (letters, digits and _ . + = , @ -, no '/', '..' or "

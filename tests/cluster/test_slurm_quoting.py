@@ -18,6 +18,7 @@ from mlproject.cluster.slurm import sbatch_script
 from mlproject.core.constants import CONFIG_DIR
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
+from tests.cluster import NO_PLAN
 
 HOSTILE = {
     "subshell": "$(touch canary)",
@@ -129,7 +130,7 @@ def test_line_break_in_a_directive_is_refused_naming_the_key(composed, key):
 
 
 def test_submit_refuses_a_line_break_in_one_line(capsys, no_sbatch):
-    assert submit.main(["--dry-run", "--no-plan", "trainer=gpu", "cluster.partition='gpu\n#SBATCH --qos=evil'"]) == 2
+    assert submit.main(["--dry-run", *NO_PLAN, "trainer=gpu", "cluster.partition='gpu\n#SBATCH --qos=evil'"]) == 2
     captured = capsys.readouterr()
     assert not captured.out
     message = BREAK.format("cluster.partition", "gpu\n#SBATCH --qos=evil", "an #SBATCH line")
@@ -139,7 +140,7 @@ def test_submit_refuses_a_line_break_in_one_line(capsys, no_sbatch):
 def test_folder_names_are_checked_before_submission(capsys, no_sbatch):
     """They name folders of the paths the job writes (core/rundir.py's rule, which the job applies too)."""
     key, value = "task_name", "../../x"
-    assert submit.main(["--dry-run", "--no-plan", "cluster=slurm", "trainer=gpu", f"{key}={value}"]) == 2
+    assert submit.main(["--dry-run", *NO_PLAN, "cluster=slurm", "trainer=gpu", f"{key}={value}"]) == 2
     captured = capsys.readouterr()
     assert not captured.out and captured.err == (
         f"error: {key}={value!r} must be one folder name (letters, digits and _ . + = , @ -, no '/', '..' or "

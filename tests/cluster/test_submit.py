@@ -11,6 +11,7 @@ from mlproject import submit
 from mlproject.cluster.slurm import RENDEZVOUS, check_in_job
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
+from tests.cluster import NO_PLAN
 
 GPU_4X8 = ["cluster.nodes=4", "cluster.gpus_per_node=8", "trainer=gpu", "strategy=ddp", "data.batch_size=256"]
 
@@ -74,7 +75,7 @@ def test_submit_names_the_directories_the_job_writes(capsys, tmp_path, monkeypat
     (bin_dir / "sbatch").write_text(f"#!/bin/sh\ncat > {tmp_path}/job.sh\necho 4242\n")
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    assert submit.main(["--no-plan", "trainer=gpu", f"paths.log_dir={log_dir}", *override]) == 0
+    assert submit.main([*NO_PLAN, "trainer=gpu", f"paths.log_dir={log_dir}", *override]) == 0
     assert f"#SBATCH --output={tmp_path}/100%%/train/slurm/%j.out\n" in (tmp_path / "job.sh").read_text()
     assert capsys.readouterr().out == (
         f"submitted SLURM job 4242\n  log: {log_dir}/train/slurm/4242.out\n"

@@ -114,6 +114,7 @@ def test_fsdp_holds_a_share_of_the_model(runs):
     assert max(tp) < single[0] and max(fsdp_tp) < min(fsdp)  # TP splits the blocks; 2-D also shards the rest
 
 
+# feature: planner
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test waits for all runs
 # feature: deepspeed
@@ -129,3 +130,6 @@ def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     measured = runs[name]["footprint"]
     planned = [(row := estimate(cfg, rank=rank)).params + row.optimizer for rank in range(len(measured))]
     assert sorted(planned) == sorted(measured)  # the logs of the ranks are read in no particular order
+
+
+# /feature: planner

@@ -90,6 +90,7 @@ def test_each_rank_holds_its_experts(runs):
     assert max(runs["ep2_tp2"]["footprint"]) < min(runs["ep2"]["footprint"])  # TP also splits the attention
 
 
+# feature: planner
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -100,3 +101,6 @@ def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     measured = runs[name]["footprint"]
     planned = [(row := estimate(cfg, rank=rank)).params + row.optimizer for rank in range(len(measured))]
     assert sorted(planned) == sorted(measured)
+
+
+# /feature: planner

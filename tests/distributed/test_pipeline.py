@@ -153,6 +153,7 @@ def test_impossible_pipelines_refused(compose_cfg, overrides, message):
         preflight(cfg)
 
 
+# feature: planner
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the first test waits for all runs
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "pp_fsdp", "pp_tp"])
@@ -165,3 +166,6 @@ def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     measured = runs[name]["footprint"]
     planned = [(row := estimate(cfg, rank=rank)).params + row.optimizer for rank in range(len(measured))]
     assert sorted(planned) == sorted(measured)  # the logs of the ranks are read in no particular order
+
+
+# /feature: planner

@@ -107,10 +107,10 @@ def test_plan_and_nested_settings_are_checked_before_launch(tmp_path, user_code,
 def test_template_plans_pass_the_check(tmp_path, compose_cfg):
     """The template's own plans (separate q, k, v; MoE experts) name what exists, and the check sees their model
     (a wrong layer name in the same plan is refused)."""
+    from mlproject.build import meta_network
     from mlproject.core.errors import ConfigError
     from mlproject.core.topology import Topology
     from mlproject.distributed.strategies import check_plan
-    from mlproject.plan import meta_network
 
     for overrides in (["model=gpt", "strategy=fsdp_tp", "trainer.devices=4"], ["model=gpt_moe", "strategy=fsdp"]):
         cfg = compose_cfg(*overrides, "data=text", "trainer=cpu")

@@ -169,8 +169,8 @@ class Signals(L.Callback):
             )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        """An out-of-memory error ends the run in one line: the rank, the step, the device's figures, and the `make
-        plan` command that shows what each layout needs per rank (debug=memory records where it went)."""
+        """An out-of-memory error ends the run in one line: the rank, the step, the device's figures and what to
+        change (debug=memory records where it went)."""
         if not isinstance(exception, torch.OutOfMemoryError):
             return
         device, figures = trainer.strategy.root_device, "host memory"
@@ -179,12 +179,15 @@ class Signals(L.Callback):
             peak, reserved = torch.cuda.max_memory_allocated(device) / gib, torch.cuda.memory_reserved(device) / gib
             total = torch.cuda.get_device_properties(device).total_memory / gib
             figures = f"{peak:.2f} GiB peak allocated, {reserved:.2f} GiB reserved, of {total:.2f} GiB"
+        fix = "raise trainer.accumulate_grad_batches (smaller micro-batches, same global batch) or shard: strategy=fsdp"
+        # feature: planner
         from hydra.core.hydra_config import HydraConfig
 
         args = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+        fix = f'`make plan ARGS="{args}"` shows what each layout needs per rank and which fit'
+        # /feature: planner
         print(
-            f"error: out of memory on rank {trainer.global_rank} at step {trainer.global_step} ({figures}); "
-            f'`make plan ARGS="{args}"` shows what each layout needs per rank and which fit',
+            f"error: out of memory on rank {trainer.global_rank} at step {trainer.global_step} ({figures}); {fix}",
             file=sys.stderr,
             flush=True,
         )

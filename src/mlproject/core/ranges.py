@@ -70,7 +70,9 @@ RANGES: dict[str, Range] = {
     "cluster.collective_timeout_s": POSITIVE,
     "strategy.tensor_parallel_size": COUNT,
     "cluster.signal_check_every_n_steps": COUNT,
+    # feature: planner
     "cluster.gpu_memory_gb": POSITIVE,
+    # /feature: planner
     "callbacks.last_checkpoint.every_n_train_steps": COUNT,
     "callbacks.model_checkpoint.save_top_k": Range(-1),
     "callbacks.ema.decay": FRACTION,

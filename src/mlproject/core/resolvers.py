@@ -85,12 +85,14 @@ def gpu_capability() -> tuple[int, int] | None:
     return min((capability for capability, _ in nvml_gpus() or ()), default=None)
 
 
+# feature: planner
 def gpu_memory() -> int | None:
     """Bytes of the smallest GPU on this machine, read without initialising CUDA (nvml_gpus); None if unknown.
     NVML's total counts the few hundred MiB the driver reserves, which CUDA cannot allocate (plan's headroom)."""
     return min((memory for _, memory in nvml_gpus() or ()), default=None)
 
 
+# /feature: planner
 def precision_for(capability: tuple[int, int]) -> str:
     """bf16-mixed where the GPU computes bf16 natively (Ampere, compute capability 8.0, and later); before that
     (V100, T4) bf16 is emulated and slow: fp16-mixed, whose loss scaling Lightning adds (a GradScaler)."""

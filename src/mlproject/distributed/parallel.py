@@ -391,7 +391,7 @@ def check_same_weights(net: nn.Module, strategy) -> None:
     """Ranks start from identical weights (FSDP keeps each rank's own slice of what it built; TP each rank's
     copy of what the plan leaves whole): per parameter its sum and norm, compared by one MAX all-reduce of them
     and their negatives, before anything is sharded. Parameters sharded already (DTensors) or
-    not yet materialised (meta: the planner's model, whose strategy has no devices) are left out."""
+    not yet materialised (meta: a dry run's model, whose strategy has no devices) are left out."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -500,7 +500,7 @@ def shard(
     compile: bool = False,
 ) -> None:
     """TP, then EP, then activation checkpointing, then compile (per block), then FSDP (`fsdp=None`: none) over
-    the named meshes: what parallelize applies in training, and what plan.py applies on the meta device to a
+    the named meshes: what parallelize applies in training, and what a dry run applies on the meta device to a
     fake world."""
     settings, blocks = dict(fsdp or {}), list(blocks)
     if meshes["tensor_parallel"].size() > 1:

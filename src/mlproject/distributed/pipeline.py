@@ -94,7 +94,7 @@ class Pipeline:
         self.first, self.last = 0 in views, self.num_stages - 1 in views
         self.bubble = bubble_fraction(schedule, mesh.size(), microbatches)
         # built at first use, on the device of the batch: configure_model splits and shards without one (the
-        # memory planner runs it on a fake process group)
+        # dry run of a memory estimate runs it on a fake process group)
         self.train_schedule = self.eval_schedule = None
         self.eval_batch = 0
 

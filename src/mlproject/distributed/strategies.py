@@ -168,7 +168,7 @@ def check_plan(cfg: DictConfig, topology: Topology, network) -> None:
     block. Under tensor parallelism each split layer divides evenly, and so do the heads of an attention layer it
     splits; no colwise layer is a fused q/k/v projection, which a column split cuts into uneven q, k and v pieces
     (the model's own split then fails inside its forward on every rank). `network`: the model as built on the
-    meta device (plan.meta_network), None where it does not build there."""
+    meta device (build.meta_network), None where it does not build there."""
     from hydra.utils import get_class
     from torch import nn
 

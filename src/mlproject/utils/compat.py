@@ -32,7 +32,7 @@ def exit_now(code: int = 0) -> None:
 
 
 def fake_process_group(world_size: int, rank: int) -> None:
-    """A process group of `world_size` ranks whose collectives move no data (the memory planner's dry run).
+    """A process group of `world_size` ranks whose collectives move no data (a dry run of N ranks' sharding).
     The "fake" backend is registered by torch's testing module, its only home in torch 2.13."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -39,7 +39,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _tokens_per_expert(chosen: torch.Tensor, n_expert: int) -> torch.Tensor:
-    if chosen.is_meta:  # the memory planner (plan.py) runs without data: it plans for an even load
+    if chosen.is_meta:  # a memory estimate runs without data: it assumes an even load
         base, extra = divmod(chosen.numel(), n_expert)
         return torch.tensor([base + (e < extra) for e in range(n_expert)])
     return torch.bincount(chosen.flatten(), minlength=n_expert)
@@ -65,7 +65,7 @@ class Experts(nn.Module):
     def _run(self, x: torch.Tensor, counts: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         # every expert's weights take part, with no rows too, so every rank's gradients have the same structure
         fc, proj = (_ScaleGrad.apply(_local(w), grad_scale) for w in (self.fc_weight, self.proj_weight))
-        autocast = not x.is_meta and torch.is_autocast_enabled(x.device.type)  # the planner (meta) has no autocast
+        autocast = not x.is_meta and torch.is_autocast_enabled(x.device.type)  # meta tensors: no autocast
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         if dtype == torch.bfloat16 and x.size(-1) % 8 == 0:  # grouped GEMMs take bf16 rows of 16-byte multiples
             # One grouped GEMM per layer over the experts' row blocks, delimited on the device: no host sync for
