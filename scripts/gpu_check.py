@@ -45,7 +45,9 @@ STRATEGIES = [
     "hsdp",
     "tp",
     "fsdp_tp",
+    # feature: pipeline
     "pp",  # 2 pipeline stages (1F1B), FSDP over the rest: an even number of GPUs
+    # /feature: pipeline
     "moe",  # model=gpt_moe (4 experts per block, top-2) on one GPU
     "moe_ep",  # model=gpt_moe under fsdp, its experts split over up to 4 GPUs: an even number of GPUs
 ]
@@ -133,8 +135,10 @@ def rows_to_run(args, devices: int) -> list[tuple[str, list[str]]]:
             overrides += [f"strategy.tensor_parallel_size={devices if strategy == 'tp' else max(1, devices // 2)}"]
         if strategy == "hsdp":  # one machine: two replicas of a shard over half of its GPUs
             overrides += [f"strategy.replicate_size={2 if devices % 2 == 0 else 1}"]
+        # feature: pipeline
         if strategy == "pp":  # gpt_large's 16 blocks in 2 stages of 8, 4 micro-batches (the default)
             overrides += ["strategy.pipeline_parallel_size=2"]
+        # /feature: pipeline
         if strategy == "moe_ep":  # the 4 experts divide over 2 or 4 ranks of a shard group
             overrides += [f"strategy.expert_parallel_size={math.gcd(4, devices)}"]
         rows.append((strategy, overrides))

@@ -216,6 +216,9 @@ FEATURES = {
         ),
         extras=("deepspeed",),
     ),
+    "pipeline": Feature(  # strategy=pp: the model's blocks split into stages over groups of ranks, on a schedule
+        paths=("src/{pkg}/distributed/pipeline.py", "configs/strategy/pp.yaml", "tests/distributed/test_pipeline.py"),
+    ),
     "object_storage": Feature(  # checkpoints under an s3:// paths.ckpt_dir, through fsspec and s3fs
         paths=(
             "src/{pkg}/checkpoint/object_storage.py",

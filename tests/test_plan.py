@@ -26,9 +26,11 @@ GiB = 2**30
 WIDE = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_head=8", "model.net.n_embd=768"]
 WIDE += ["data.block_size=64"]
 GPT_85M = [*WIDE, "model.net.n_layer=12"]
+# feature: pipeline
 PIPE = ["strategy=pp", "strategy.pipeline_parallel_size=2", "trainer.devices=2"]
 # 8 stages of 1F1B on 16 micro-batches: the planner's pipeline on 8 nodes
 PP_8 = "strategy=pp strategy.pipeline_parallel_size=8 strategy.pipeline.schedule=1f1b strategy.pipeline.microbatches=16"
+# /feature: pipeline
 
 
 def world(n: int) -> list[str]:
@@ -99,9 +101,11 @@ def test_adam_costs_16_bytes_per_parameter_under_ddp(plans):
         (12, 8, 0.5, None),  # activations alone need 0.66: nothing fits
         # the model's size flips it on the same cluster: 43M fits DDP (0.97) where 85M needs ZeRO-2 ...
         (6, 8, 1.5, "strategy=ddp"),
+        # feature: pipeline
         # ... and 170M (activations 1.32) on 8 nodes a pipeline stage of 3 blocks per node (0.49), where ZeRO-2
         # (1.68) and HSDP (1.66) do not fit; 85M's 12 blocks make no 8 stages, and ZeRO-2 fits it (above)
         (24, 64, 1.5, PP_8),
+        # /feature: pipeline
     ],
 )
 def test_recommendation_flips_where_it_should(plans, blocks, ranks, memory_gib, layout):
@@ -206,6 +210,7 @@ def test_a_job_that_cannot_fit_is_refused_in_one_line(capsys, no_sbatch):
 
 
 # /feature: slurm
+# feature: pipeline
 def test_a_pipeline_stage_per_node(compose_cfg):
     """Two nodes of 8: pp with a stage per node comes between HSDP and FSDP (1F1B on 2 micro-batches per
     stage), and each of its ranks holds half the blocks sharded over the node: ~1/16 of the model, as FSDP
@@ -258,6 +263,7 @@ def test_pipeline_activations_are_the_stages_times_the_micro_batches_in_flight(
         assert planned == pytest.approx(stage.activations / microbatches * in_flight[rank], rel=0.02)
 
 
+# /feature: pipeline
 def test_ema_holds_one_more_copy_of_the_weights(compose_cfg):
     """callbacks.ema clones every trainable parameter, sharded like it: one more params column per rank."""
     small = ["model=gpt", "data=text", "trainer.accelerator=cpu", "model.net.n_layer=2", "model.net.n_embd=32"]

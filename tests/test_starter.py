@@ -383,6 +383,7 @@ WORDS = {
     "wandb": r"wandb|W&B",
     "mlflow": r"mlflow",
     "deepspeed": r"deepspeed|zero_shards",
+    "pipeline": r"pipeline_parallel|strategy=pp\b|distributed\.pipeline|pipeline_bubble|1f1b|microbatches",
     "object_storage": r"s3fs|s3://|object storage|moto",
     "planner": r"make plan|\.plan import|import plan\b|check_memory|gpu_memory|no-plan|planning\.md|memory planner",
 }

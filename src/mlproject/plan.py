@@ -132,6 +132,7 @@ def ema_configured(cfg: DictConfig) -> bool:
     return "ema" in (cfg.get("callbacks") or {})
 
 
+# feature: pipeline
 def stage_modules(net, pipeline: dict, rank: int, size: int, schedule: str) -> list:
     """The modules pipeline rank `rank` runs: its stages' blocks, and the `first` and `last` modules where it
     holds the first or the last stage (the views of distributed/pipeline.py, leaving `net` whole)."""
@@ -146,17 +147,11 @@ def stage_modules(net, pipeline: dict, rank: int, size: int, schedule: str) -> l
     return [m for m in modules if m is not None]
 
 
+# /feature: pipeline
 def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     """Bytes autograd saves for backward in one training step of one per-device micro-batch: the model's own
     training_step runs on the meta device with TP and activation checkpointing applied as configured (FSDP
     does not change them), under a hook that sums every tensor saved for backward.
-
-    Under pipeline parallelism a rank runs its stages only, on micro-batches of per-device batch / M, and holds
-    several at once: the whole network's training_step runs on one micro-batch, the hook counts only what is
-    saved while this rank's stage modules run (and the loss, outside the network, on the last stage), and that
-    is multiplied by the stage forwards the schedule keeps in flight at its peak (pipeline.in_flight: GPipe M,
-    1F1B P - rank), divided by the stages per rank (interleaved: a forward runs one of its two stages, taken
-    as half of both).
 
     None where the batch size is unknown: the datamodule is not the template's, and its own loaders set it."""
     import collections
@@ -166,14 +161,13 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     from torchmetrics import Metric
 
     from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
-    from mlproject.distributed.pipeline import in_flight, stages_per_rank
     from mlproject.utils import compat
 
     if topology.per_device_batch_size is None:
         return None
     model = meta_model(cfg)
     plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
-    tp, pp = topology.tensor_parallel_size, topology.pipeline_parallel_size
+    tp, pp = topology.tensor_parallel_size, topology.stages
     meshes = named_meshes(topology, "cpu") if tp > 1 or pp > 1 else {}
     if tp > 1:
         apply_tp(model, meshes["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
@@ -184,7 +178,16 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
             metric.update = lambda *args, **kwargs: None
     batch, copies, rank = topology.per_device_batch_size, 1.0, 0
     inside = collections.Counter()  # forwards under way of this rank's stage modules and of the whole network
+    # feature: pipeline
+    # Under pipeline parallelism a rank runs its stages only, on micro-batches of per-device batch / M, and holds
+    # several at once: the whole network's training_step runs on one micro-batch, the hook counts only what is
+    # saved while this rank's stage modules run (and the loss, outside the network, on the last stage), and that
+    # is multiplied by the stage forwards the schedule keeps in flight at its peak (pipeline.in_flight: GPipe M,
+    # 1F1B P - rank), divided by the stages per rank (interleaved: a forward runs one of its two stages, taken
+    # as half of both).
     if pp > 1:
+        from mlproject.distributed.pipeline import in_flight, stages_per_rank
+
         schedule, microbatches = cfg.strategy.pipeline.schedule, cfg.strategy.pipeline.microbatches
         rank = meshes["pipeline"].get_local_rank()
         batch //= microbatches
@@ -194,6 +197,7 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
             for m in modules:
                 m.register_forward_pre_hook(lambda *_, key=key: inside.update([key]))
                 m.register_forward_hook(lambda *_, key=key: inside.subtract([key]))
+    # /feature: pipeline
     data = instantiate(cfg.data)
     x, y = data.splits()[0][0]
     x, y = (torch.as_tensor(t) for t in (x, y))
@@ -254,7 +258,7 @@ def largest(cfg: DictConfig, layout: str) -> Row:
     rank of the last stage where that holds more (the head, the loss); a middle stage holds fewer modules and
     no more micro-batches in flight than the first."""
     topology = Topology.of(cfg)
-    last = topology.world_size - topology.world_size // topology.pipeline_parallel_size
+    last = topology.world_size - topology.world_size // topology.stages
     return max((estimate(cfg, layout, rank) for rank in {0, last}), key=lambda row: row.total)
 
 
@@ -291,11 +295,13 @@ def parallel_layouts(cfg: DictConfig, topology: Topology) -> list[list[str]]:
         if plan.get("experts") and experts > 1:
             layouts.append([*layout, f"strategy.expert_parallel_size={experts}"])
         layouts.append(layout)
+        # feature: pipeline
         # pp after HSDP and before FSDP: a stage per node holds ~1/world of the model, as FSDP does, and sends
         # only activations between nodes, point to point, where FSDP gathers every block across them; its
         # bubble leaves GPUs idle, so HSDP (gradients alone cross nodes) comes first where it fits
         if layout == ["strategy=hsdp"] and plan.get("pipeline") and (pipeline := pipeline_layout(cfg, topology)):
             layouts.append(pipeline)
+        # /feature: pipeline
     heads = net_setting(cfg, "n_head")[1] or 0
     sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
     sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
@@ -304,6 +310,7 @@ def parallel_layouts(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     return layouts
 
 
+# feature: pipeline
 def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
     """strategy=pp with a stage per node, FSDP in each node, 1F1B on two micro-batches per stage (bubble
     (P - 1) / (3P - 1), under a third), if preflight accepts it (the blocks divide into the stages, the batch
@@ -327,6 +334,7 @@ def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
     ]
 
 
+# /feature: pipeline
 def device_memory(cfg: DictConfig) -> int | None:
     """Bytes of one target GPU: cluster.gpu_memory_gb, else the smallest GPU's here, else unknown. Read through
     NVML (gpu_memory): preflight asks in the launching process, before Lightning starts the ranks."""
@@ -394,7 +402,9 @@ def print_plan(result: Plan) -> None:
     best = result.recommended
     for row in rows:
         label = row.layout.replace("strategy=", "").replace("strategy.tensor_parallel_size=", "tp=")
+        # feature: pipeline
         label = label.replace("strategy.pipeline_parallel_size=", "pp=").replace("strategy.pipeline.", "")
+        # /feature: pipeline
         mark = " (configured)" if row is result.configured else " <- use" if row is best else ""
         fits = {None: "?", True: "yes", False: "no"}[result.fits(row)]
         cells = [size(c) if c is not None else "-" for c in (row.params, row.grads, row.optimizer)]
@@ -408,8 +418,11 @@ def print_plan(result: Plan) -> None:
         " (DeepSpeed: its estimator, the three in one, with its largest layer gathered)"
         # /feature: deepspeed
         "; gathered: FSDP's largest unit all-gathered, in the dtype it computes in; activations: saved for backward "
-        "by one micro-batch's training step, under pp by the micro-batches its "
-        "schedule keeps in flight (docs/planning.md); pp: the first or the last stage, whichever holds more"
+        "by one micro-batch's training step"
+        # feature: pipeline
+        ", under pp by the micro-batches its schedule keeps in flight (docs/planning.md); pp: the first or the last "
+        "stage, whichever holds more"
+        # /feature: pipeline
     )
     if result.configured.activations is None:
         print(

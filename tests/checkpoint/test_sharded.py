@@ -196,6 +196,7 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
     assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))
 
 
+# feature: pipeline
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 7 runs of 1-4 processes, in 2 rounds of runs started together
 def test_pipeline_checkpoints_resume_anywhere_and_export(tmp_path):
@@ -281,3 +282,6 @@ def test_checkpoints_of_other_layouts_resume_into_pipeline(tmp_path):
             "single -> fsdp 2 -> pp 2 x fsdp 2": "fsdp2pp",
         },
     )
+
+
+# /feature: pipeline

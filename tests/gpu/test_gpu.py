@@ -41,8 +41,10 @@ RUNS = {  # (example, strategy); fsdp shards the digits CNN (no plan) whole (tes
     ("gpt_moe", "single"): ["model=gpt_moe", "strategy=single"],  # 4 experts, split over up to 4 GPUs
     ("gpt_moe", "fsdp_ep"): ["model=gpt_moe", "strategy=fsdp", f"strategy.expert_parallel_size={math.gcd(4, GPUS)}"],
 }
+# feature: pipeline
 if GPUS % 2 == 0:  # 2 stages of the tiny GPT's 2 blocks, FSDP over the rest; 1F1B on 2 micro-batches
     RUNS["gpt", "pp"] = ["strategy=pp", "strategy.pipeline_parallel_size=2", "strategy.pipeline.microbatches=2"]
+# /feature: pipeline
 # The CPU bound for autocast (tests/distributed/test_bf16.py: one bf16 rounding, 2**-9) x 4 for GPU kernels
 # that may split sums differently per strategy
 RTOL = {"autocast": 2**-7}

@@ -1,7 +1,7 @@
 """Training throughput in the loggers and the progress output: perf/samples_per_sec (perf/steps_per_sec where
 the global batch is unknown), perf/tokens_per_sec (models of token sequences), perf/mfu (model FLOPs
-utilisation, where the GPU's peak is known) and, under pipeline parallelism, perf/pipeline_bubble (the share of
-a step a rank idles in its schedule's ideal timing).
+utilisation, where the GPU's peak is known) and, under a pipeline, the share of a step a rank idles in its
+schedule's ideal timing.
 
 Measured over each interval of `trainer.log_every_n_steps` optimizer steps, at the steps Lightning logs at.
 Lightning's ThroughputMonitor synchronizes the GPU at every step for its clock (and its peak table lists
@@ -46,7 +46,9 @@ class Throughput(Callback):
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
         self.peak: float | None = None
         self.flops_per_token: int | None = None
+        # feature: pipeline
         self.pipeline = None  # the module's Pipeline under pipeline parallelism
+        # /feature: pipeline
         self._start: tuple[int, float] | None = None  # (global step, time) where the interval began
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -59,7 +61,9 @@ class Throughput(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda" and "bf16" in str(trainer.precision):
             self.peak = peak_flops(torch.cuda.get_device_name(device))
+        # feature: pipeline
         self.pipeline = getattr(pl_module, "pipeline", None)
+        # /feature: pipeline
         self._start = None
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
@@ -80,8 +84,10 @@ class Throughput(Callback):
                 tokens = metrics["perf/tokens_per_sec"] = samples * self.tokens_per_sample
                 if self.flops_per_token and self.peak:
                     metrics["perf/mfu"] = self.flops_per_token * tokens / (self.peak * trainer.world_size)
-            if self.pipeline is not None:
+            # feature: pipeline
+            if self.pipeline is not None:  # the share of a step this rank idles in its schedule's ideal timing
                 metrics["perf/pipeline_bubble"] = self.pipeline.bubble
+            # /feature: pipeline
             pl_module.log_dict(metrics)  # this rank's clock: no collective
         self._start = (step, now)
 

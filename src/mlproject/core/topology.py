@@ -67,7 +67,9 @@ class Topology:
     tensor_parallel_size: int = 1
     replicate_size: int = 1  # data-parallel groups that each hold a full FSDP copy (HSDP); 1: plain FSDP
     expert_parallel_size: int = 1  # ranks of a shard group that split the experts of an MoE layer
+    # feature: pipeline
     pipeline_parallel_size: int = 1  # pipeline stages (groups of ranks) the network's blocks are split over
+    # /feature: pipeline
     accumulate: int = 1  # micro-batches per optimizer step
     global_batch_size: int | None = None  # data.batch_size, if the data is the template's DataModule (global)
     training: bool = True  # False for evaluation only (eval, or train=false): the batch may split unevenly
@@ -79,19 +81,21 @@ class Topology:
         if name == "auto":
             name = auto_strategy(cfg.trainer.devices, cfg.trainer.get("num_nodes", 1), cfg.trainer.accelerator)
         tp, replicate = int(strategy.get("tensor_parallel_size", 1)), int(strategy.get("replicate_size", 1))
-        pp = int(strategy.get("pipeline_parallel_size", 1))
         if name == "model_parallel":
             fsdp = "hsdp" if replicate > 1 else "fsdp"
             name = "tp" if strategy.get("fsdp") is None else "fsdp_tp" if tp > 1 else fsdp
         data = cfg.get("data") or {}
+        degrees = {"expert_parallel_size": int(strategy.get("expert_parallel_size", 1))}
+        # feature: pipeline
+        degrees["pipeline_parallel_size"] = int(strategy.get("pipeline_parallel_size", 1))
+        # /feature: pipeline
         return cls(
             strategy=name,
             nodes=int(cfg.trainer.get("num_nodes", 1)),
             devices_per_node=_devices(cfg.trainer.devices, cfg.trainer.accelerator),
             tensor_parallel_size=tp,
             replicate_size=replicate,
-            expert_parallel_size=int(strategy.get("expert_parallel_size", 1)),
-            pipeline_parallel_size=pp,
+            **degrees,
             accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
             global_batch_size=data.get("batch_size") if global_batch(data) else None,
             training=bool(cfg.get("train", False)),
@@ -103,14 +107,23 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
-        """Processes that read different batches: a tensor-parallel group reads one batch together, and so do
-        the stages of a pipeline (the first feeds the inputs, the last the targets)."""
-        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        """Processes that read different batches: a tensor-parallel group reads one batch together (and so do
+        the stages of a pipeline: the first feeds the inputs, the last the targets)."""
+        return self.world_size // self.tensor_parallel_size // self.stages
 
     @property
     def shard_size(self) -> int:
         """Ranks over which FSDP splits each (dense) parameter: a replica group."""
         return self.data_parallel_size // self.replicate_size
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages (1: none)."""
+        stages = 1
+        # feature: pipeline
+        stages = self.pipeline_parallel_size
+        # /feature: pipeline
+        return stages
 
     @property
     def mesh_dims(self) -> dict[str, int]:
@@ -120,7 +133,7 @@ class Topology:
         dense parameters are sharded over both (`shard`, flattened) and replicated over `replicate`."""
         ep = self.expert_parallel_size
         return {
-            "pipeline": self.pipeline_parallel_size,
+            "pipeline": self.stages,
             "replicate": self.replicate_size,
             "expert_shard": self.shard_size // ep,
             "expert_parallel": ep,
@@ -140,7 +153,7 @@ class Topology:
 
     def validate(self) -> Topology:
         """Refuse a shape that cannot run, in one line naming the fix; returns itself."""
-        world, tp, pp = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size
+        world, tp = self.world_size, self.tensor_parallel_size
         if self.strategy == "single" and world > 1:
             raise ConfigError(
                 f"strategy=single runs one process but trainer.devices x trainer.num_nodes = {world}; "
@@ -151,6 +164,8 @@ class Topology:
                 f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
                 "(trainer.devices x trainer.num_nodes); change one of them"
             )
+        # feature: pipeline
+        pp = self.pipeline_parallel_size
         if pp < 1 or world % (pp * tp):
             raise ConfigError(
                 f"strategy.pipeline_parallel_size={pp} x tensor_parallel_size={tp} must divide the {world} "
@@ -161,6 +176,7 @@ class Topology:
                 f"strategy.pipeline_parallel_size={pp} runs on FSDP (strategy=pp, which FSDP-shards each stage over "
                 f"the data-parallel ranks), not on strategy={self.strategy}"
             )
+        # /feature: pipeline
         replicate, ep, dp = self.replicate_size, self.expert_parallel_size, self.data_parallel_size
         if replicate < 1 or dp % replicate:
             raise ConfigError(

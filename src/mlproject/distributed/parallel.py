@@ -68,14 +68,18 @@ class ModelParallel(ModelParallelStrategy):
         fsdp: dict | None = None,
         replicate_size: int = 1,
         expert_parallel_size: int = 1,
+        # feature: pipeline
         pipeline_parallel_size: int = 1,
         pipeline: dict | None = None,
+        # /feature: pipeline
         plan: dict | None = None,
         **kwargs,
     ):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.fsdp, self.replicate_size, self.expert_parallel_size = fsdp, replicate_size, expert_parallel_size
+        # feature: pipeline
         self.pipeline_parallel_size, self.pipeline = pipeline_parallel_size, dict(pipeline or {})
+        # /feature: pipeline
         self.plan = dict(plan or {})  # the model's (model.parallel): which layers each dimension splits
         self.meshes: dict = {}
 
@@ -84,15 +88,11 @@ class ModelParallel(ModelParallelStrategy):
         from mlproject.core.topology import Topology
 
         kind = "fsdp" if self.fsdp is not None else "tp"
-        return Topology(
-            kind,
-            self.num_nodes,
-            self.num_processes,
-            self._tensor_parallel_size,
-            self.replicate_size,
-            self.expert_parallel_size,
-            self.pipeline_parallel_size,
-        )
+        degrees = {"replicate_size": self.replicate_size, "expert_parallel_size": self.expert_parallel_size}
+        # feature: pipeline
+        degrees["pipeline_parallel_size"] = self.pipeline_parallel_size
+        # /feature: pipeline
+        return Topology(kind, self.num_nodes, self.num_processes, self._tensor_parallel_size, **degrees)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's, except that with an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) the
@@ -283,18 +283,20 @@ class ModelParallel(ModelParallelStrategy):
         """The names of each param group's parameters in the single process's order. A pipeline stage's optimizer
         holds only its own: every stage's are gathered and sorted by their position in the whole module (each
         group lists its parameters in module order, training/optim.py)."""
-        import torch.distributed as dist
-
         names = {id(p): name for name, p in self.model.named_parameters()}
         groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        pipeline = getattr(self.lightning_module, "pipeline", None)
-        if pipeline is None:
-            return groups
-        stages = [None] * pipeline.mesh.size()
-        dist.all_gather_object(stages, groups, group=pipeline.mesh.get_group())
-        merged = [{name for stage in stages for name in stage[i]} for i in range(len(groups))]
-        return [sorted(group, key=pipeline.order.__getitem__) for group in merged]
+        # feature: pipeline
+        if (pipeline := getattr(self.lightning_module, "pipeline", None)) is not None:
+            import torch.distributed as dist
 
+            stages = [None] * pipeline.mesh.size()
+            dist.all_gather_object(stages, groups, group=pipeline.mesh.get_group())
+            merged = [{name for stage in stages for name in stage[i]} for i in range(len(groups))]
+            return [sorted(group, key=pipeline.order.__getitem__) for group in merged]
+        # /feature: pipeline
+        return groups
+
+    # feature: pipeline
     def optimizer_state(self, optimizer) -> dict:
         # A pipeline stage's param_groups name only its own parameters, and DCP saves such a non-tensor value from
         # one rank only: list every stage's, so that the checkpoint's groups name every parameter (a resume on any
@@ -305,6 +307,7 @@ class ModelParallel(ModelParallelStrategy):
                 group["params"] = names
         return state
 
+    # /feature: pipeline
     @property
     def fsdp_settings(self) -> dict | None:
         """The FSDP settings `parallelize` applies. Under bf16-mixed, unset dtypes become torchtitan's: parameters
@@ -553,7 +556,8 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
     check_same_weights(net, strategy)
     plan = plan or strategy.plan
     blocks, colwise, rowwise, experts = (plan.get(k) or () for k in ("blocks", "colwise", "rowwise", "experts"))
-    meshes = strategy.meshes
+    meshes, views = strategy.meshes, {"": net}
+    # feature: pipeline
     pp = meshes["pipeline"]
     if pp.size() > 1:
         from mlproject.distributed.pipeline import Pipeline, split
@@ -561,11 +565,13 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
         schedule, microbatches = strategy.pipeline["schedule"], strategy.pipeline["microbatches"]
         order = {name: i for i, (name, _) in enumerate(pl_module.named_parameters())}  # before the split
         views = split(net, pp.get_local_rank(), pp.size(), schedule, **plan["pipeline"])
-        for view in views.values():
-            shard(view, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
+    # /feature: pipeline
+    for view in views.values():
+        shard(view, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
+    # feature: pipeline
+    if pp.size() > 1:
         pl_module.pipeline = Pipeline(views, pp, schedule, microbatches, loss_fn, order)
-    else:
-        shard(net, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
+    # /feature: pipeline
     set_batch_group(net, meshes["data_parallel"].get_group())
     # A TP group evaluates the same samples: metrics sum over the other ranks only, or they count them twice.
     for metric in pl_module.modules():
@@ -592,7 +598,7 @@ def clip_gradients(pl_module, optimizer, gradient_clip_val=None, gradient_clip_a
     gradients that mix plain tensors and DTensors (tensor parallelism leaves embeddings and norms whole) or
     DTensors on several meshes (experts)."""
     if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-        clip_grad_norm_(pl_module.parameters(), gradient_clip_val, pl_module.trainer.strategy.pipeline_parallel_size)
+        clip_grad_norm_(pl_module.parameters(), gradient_clip_val, pl_module.trainer.strategy.topology.stages)
     else:
         pl_module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -603,7 +609,7 @@ def set_batch_group(net: nn.Module, group) -> None:
             module.batch_group = group
 
 
-def clip_grad_norm_(parameters, max_norm: float, pipeline_parallel_size: int = 1) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, stages: int = 1) -> torch.Tensor:
     """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes,
     with one all-reduce for the whole model.
 
@@ -626,7 +632,7 @@ def clip_grad_norm_(parameters, max_norm: float, pipeline_parallel_size: int = 1
             # not pl.is_shard(): FSDP over TP shards by _StridedShard, which is no Shard in torch 2.13
             distinct = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
             g = g.to_local()
-        copies.setdefault(dist.get_world_size() // pipeline_parallel_size // distinct, []).append(g)
+        copies.setdefault(dist.get_world_size() // stages // distinct, []).append(g)
     squares = [torch.nn.utils.get_total_norm(grads).square() / k for k, grads in copies.items()]
     total = torch.stack(squares).sum()
     # CPU-offloaded gradients sum on the host, where NCCL has no backend: the one all-reduce runs on the GPU

@@ -106,8 +106,10 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
             f"strategy={name} splits layers named by a `parallel` plan in the model config (e.g. model=gpt); "
             f"{model} has none; use strategy=fsdp"
         )
+    # feature: pipeline
     if topology.pipeline_parallel_size > 1:
         check_pipeline(cfg, topology)
+    # /feature: pipeline
     import torch
 
     if (strategy.get("fsdp") or {}).get("cpu_offload") and (
@@ -116,6 +118,7 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
         raise ConfigError("strategy.fsdp.cpu_offload=true moves GPU memory to the CPU; without a GPU set it to false")
 
 
+# feature: pipeline
 def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
     """Preflight for strategy.pipeline_parallel_size > 1: stages, micro-batches and batch must divide."""
     from mlproject.distributed.pipeline import SCHEDULES, min_microbatches, stages_per_rank
@@ -157,6 +160,7 @@ def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
         )
 
 
+# /feature: pipeline
 # names that fuse q, k and v in one Linear (nanoGPT and GPT-2's c_attn, GPT-NeoX's query_key_value, Phi-3's
 # qkv_proj, MPT's Wqkv, Baichuan's W_pack, torch's in_proj)
 FUSED = ("qkv", "c_attn", "query_key_value", "w_pack", "in_proj")

@@ -20,7 +20,6 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mlproject.core.constants import IGNORE_INDEX
 from mlproject.distributed.parallel import parallelize
-from mlproject.distributed.pipeline import Pipeline
 from mlproject.training.optim import configure
 
 
@@ -41,8 +40,6 @@ def eval_metrics(vocab_size: int) -> nn.ModuleDict:
 
 
 class GPTModule(L.LightningModule):
-    pipeline: Pipeline | None = None  # set by parallelize under pipeline parallelism
-
     def __init__(
         self,
         net: dict,
@@ -54,6 +51,9 @@ class GPTModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(net)
+        # feature: pipeline
+        self.pipeline = None  # distributed/pipeline.py's Pipeline, set by parallelize under pipeline parallelism
+        # /feature: pipeline
         self.val_metrics, self.test_metrics = eval_metrics(net["vocab_size"]), eval_metrics(net["vocab_size"])
 
     @property
@@ -65,18 +65,25 @@ class GPTModule(L.LightningModule):
         parallelize(self, self.net, compile=self.hparams.compile, loss_fn=next_token_loss)  # by model.parallel
 
     def forward(self, x):
+        # feature: pipeline
+        if self.pipeline is not None:  # the logits on the last stage
+            return self.pipeline(x)
+        # /feature: pipeline
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        # feature: pipeline
         if self.pipeline is not None:
             loss = self.pipeline.step(x, y)  # forward and backward of every micro-batch; see backward()
             self.log("train/loss", loss)
             return loss
+        # /feature: pipeline
         loss = next_token_loss(self(x), y)
         self.log("train/loss", loss)  # this rank's value: no collective, and no sync (see callbacks/progress.py)
         return loss + self._router_losses()
 
+    # feature: pipeline
     # A pipeline schedule runs the backward of each micro-batch itself, interleaved with the forwards of others,
     # inside training_step (which starts from zeroed gradients); the loss returned is for logging only. So under
     # a pipeline Lightning's backward is skipped, and so is its zero_grad, which runs between training_step and
@@ -90,6 +97,7 @@ class GPTModule(L.LightningModule):
         if self.pipeline is None:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
+    # /feature: pipeline
     def _router_losses(self):
         moe = self.net.moe_layers
         if not moe:
@@ -109,13 +117,11 @@ class GPTModule(L.LightningModule):
 
     def _evaluate(self, batch, stage: str, metrics: nn.ModuleDict) -> None:
         x, y = batch
-        if self.pipeline is None:
-            logits = self(x)
-        elif self.pipeline.last:
-            logits = self.pipeline(x)
-        else:  # the other stages count no sequence, so that every rank syncs the same metrics
-            self.pipeline(x)
+        logits = self(x)
+        # feature: pipeline
+        if self.pipeline is not None and not self.pipeline.last:  # no sequence counted, so all ranks sync the same
             logits, y = torch.zeros(0, y.size(1), self.hparams.net["vocab_size"], device=y.device), y[:0]
+        # /feature: pipeline
         logits, flat = logits.flatten(0, 1).float(), y.flatten()
         if len(flat):  # torchmetrics' accuracy cannot reshape an empty batch (the pipeline's other stages)
             metrics["acc"].update(logits, flat)
