@@ -51,6 +51,7 @@ class Example:
     # How README, docs and config comments name this example; aligned across examples by key. Where an
     # example is dropped, each phrase becomes the same-keyed phrase of the kept default example.
     prose: dict[str, str]
+    extras: tuple[str, ...] = ()  # pyproject extras only this example needs: they go with it
 
 
 # Tests that prove a feature on both examples go with either (they import both examples' test helpers).
@@ -148,6 +149,7 @@ EXAMPLES = {
             "experiment_file": "experiment/gpt.yaml",
             "experiment": "experiment=gpt",
         },
+        extras=("tokens",),
     ),
 }
 
@@ -362,8 +364,9 @@ def keep_feature_lines(text: str, kept: list[str], where: str) -> str:
     return kept_text.rstrip("\n") + "\n" if text.endswith("\n") and kept_text.strip() else kept_text  # no blank tail
 
 
-def drop_features(root: Path, pkg: str, kept: list[str]) -> None:
-    """Remove left-out features' files and marked lines, their pyproject extras and the packages only those need."""
+def drop_features(root: Path, pkg: str, kept: list[str], examples: list[str]) -> None:
+    """Remove left-out features' files and marked lines, their (and dropped examples') pyproject extras and the
+    packages only those need."""
     for name, feature in FEATURES.items():
         for pattern in feature.paths if name not in kept else ():
             for path in sorted(root.glob(pattern.format(pkg=pkg))):
@@ -376,10 +379,11 @@ def drop_features(root: Path, pkg: str, kept: list[str]) -> None:
                 path.write_text(kept_text)
             if not kept_text.strip():  # every line marked (e.g. what two features share): it goes with them
                 path.unlink()
-    needed = {extra for name in kept for extra in FEATURES[name].extras}
-    dropped = {extra for feature in FEATURES.values() for extra in feature.extras} - needed
+    kept_owners = [FEATURES[name] for name in kept] + [EXAMPLES[name] for name in examples]
+    needed = {extra for owner in kept_owners for extra in owner.extras}
+    dropped = {extra for owner in [*FEATURES.values(), *EXAMPLES.values()] for extra in owner.extras} - needed
     pyproject = root / "pyproject.toml"
-    if dropped and pyproject.exists():
+    if pyproject.exists():  # also when only marked lines went (a feature's dev requirements)
         text = pyproject.read_text()
         for extra in dropped:
             text = re.sub(rf"^{re.escape(extra)} = \[.*\n", "", text, flags=re.M)
@@ -491,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     if old is not None:
         rename(root, old, new)
     drop_examples(root, new, kept)
-    drop_features(root, new, features)
+    drop_features(root, new, features, kept)
     retell(root, kept)
     set_metadata(root, args.project_name, args.description, args.author, args.license)
     chosen = f"examples {', '.join(kept)}, features {', '.join(features) or 'none'}"

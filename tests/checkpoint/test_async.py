@@ -108,19 +108,19 @@ def test_run_killed_with_saves_in_flight_resumes_bitwise(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_run_killed_with_a_dcp_async_save_in_flight_resumes_bitwise(tmp_path):
-    """strategy=fsdp on 2 processes: shards written by torch.distributed.checkpoint.async_save, one every
-    step; killed at step 9 of 18, resumed with ckpt_path=auto, it ends as the straight (sync) run does."""
-    from tests.checkpoint.test_sharded import FSDP2
-
-    setup = [*FSDP2, *ASYNC_EVERY_STEP]
+    """strategy=fsdp on 2 processes (the digits CNN, sharded as one unit): shards written by
+    torch.distributed.checkpoint.async_save, one every step; killed at step 9 of 18, resumed with ckpt_path=auto,
+    it ends as the straight (sync) run does."""
+    fsdp = [*strategy("fsdp", 2), "trainer.limit_train_batches=6"]  # 6 steps per epoch, 18 in all
+    setup = [*fsdp, *ASYNC_EVERY_STEP]
 
     def killed():
         proc = train(tmp_path, "killed", *setup, "ckpt_path=auto", *kill_at(9), check=False)
         assert proc.returncode != 0
-        checkpoint_format(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt")
+        assert checkpoint_format(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt") == "sharded"
         train(tmp_path, "killed", *setup, "ckpt_path=auto")
 
-    together(lambda: train(tmp_path, "straight", *FSDP2), killed)
+    together(lambda: train(tmp_path, "straight", *fsdp), killed)
     assert_bitwise(
         weights(run_dir(tmp_path, "straight") / "checkpoints" / "last.ckpt"),
         weights(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt"),
