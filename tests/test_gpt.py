@@ -108,12 +108,10 @@ def test_the_mesh_is_named_by_the_strategy_config(compose_cfg):
     moe = ["model=gpt_moe", "data=text", "trainer.accelerator=cpu", "trainer.devices=4", "trainer.num_nodes=2"]
     topology = Topology.of(compose_cfg(*moe, "strategy=hsdp", "strategy.expert_parallel_size=2")).validate()
     assert topology.strategy == "hsdp" and topology.shard_size == 4 and topology.data_parallel_size == 8
-    assert topology.mesh_dims == {
-        "pipeline": 1,
-        "replicate": 2,
-        "expert_shard": 2,
-        "expert_parallel": 2,
-        "tensor_parallel": 1,
-    }
+    dims = {"replicate": 2, "expert_shard": 2, "expert_parallel": 2, "tensor_parallel": 1}
+    # feature: pipeline
+    dims = {"pipeline": 1, **dims}
+    # /feature: pipeline
+    assert topology.mesh_dims == dims
     fsdp = Topology.of(compose_cfg(*moe, "strategy=fsdp")).validate()
     assert fsdp.strategy == "fsdp" and fsdp.mesh_dims["replicate"] == 1 and fsdp.shard_size == 8

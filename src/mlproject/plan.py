@@ -67,10 +67,12 @@ def fake_world(world_size: int, rank: int = 0):
 
 def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int, int]:
     """(parameter, gradient, optimizer-state, EMA, gathered) bytes on this rank under a torch strategy (single, ddp,
-    fsdp, tp, fsdp_tp, hsdp, expert and pipeline parallel): DDP replicates, model-parallel layouts run the model's
-    configure_model on the target mesh (under pp: this rank's stages only, each sharded over its stage's ranks)
-    with the FSDP settings training applies (bf16-mixed: bf16 gathers). Sharded parameters, gradients and AdamW's
-    moments stay in the stored dtype (fp32 under mixed precision: FSDP's master weights)."""
+    fsdp, tp, fsdp_tp, hsdp, expert parallel): DDP replicates, model-parallel layouts run the model's configure_model
+    on the target mesh with the FSDP settings training applies (bf16-mixed: bf16 gathers). Sharded parameters,
+    gradients and AdamW's moments stay in the stored dtype (fp32 under mixed precision: FSDP's master weights)."""
+    # feature: pipeline
+    # under pp: this rank's stages only, each sharded over its stage's ranks
+    # /feature: pipeline
     import torch
     from hydra.utils import instantiate
     from lightning.pytorch.plugins.precision import MixedPrecision
@@ -110,8 +112,11 @@ def gathered_bytes(model, fsdp: dict | None) -> int:
     if fsdp is None:
         return 0
     dtype = getattr(torch, fsdp["param_dtype"]) if fsdp.get("param_dtype") else None
-    pipeline = getattr(model, "pipeline", None)  # its stage views are the roots of FSDP units, outside model
-    units = [m for m in [*model.modules(), *(pipeline.views.values() if pipeline else ())] if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # feature: pipeline
+    if (pipeline := getattr(model, "pipeline", None)) is not None:  # its stage views: FSDP units outside model
+        units += [m for m in pipeline.views.values() if isinstance(m, FSDPModule)]
+    # /feature: pipeline
 
     def whole(p) -> int:  # FSDP made p a DTensor; its shard dimensions carry named_meshes' names
         mesh = p.device_mesh
@@ -167,7 +172,10 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
         return None
     model = meta_model(cfg)
     plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
-    tp, pp = topology.tensor_parallel_size, topology.stages
+    tp, pp = topology.tensor_parallel_size, 1
+    # feature: pipeline
+    pp = topology.pipeline_parallel_size
+    # /feature: pipeline
     meshes = named_meshes(topology, "cpu") if tp > 1 or pp > 1 else {}
     if tp > 1:
         apply_tp(model, meshes["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
@@ -206,7 +214,9 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     saved = collections.Counter()  # bytes of parameters (a matmul saves its weight) and of the rest
 
     def count(t):
+        # feature: pipeline
         # under a pipeline: what this rank's stages save, and the loss (outside the network) on the last stage
+        # /feature: pipeline
         if pp == 1 or inside["stage"] > 0 or (rank == pp - 1 and inside["net"] == 0):
             saved[id(compat.view_base(t)) in params] += t.numel() * t.element_size()
         return t
@@ -254,20 +264,22 @@ def estimate(cfg: DictConfig, layout: str = "", rank: int = 0) -> Row:
 
 
 def largest(cfg: DictConfig, layout: str) -> Row:
-    """The row of the rank that holds the most: rank 0 (FSDP gives it the largest shards), or under pp the first
-    rank of the last stage where that holds more (the head, the loss); a middle stage holds fewer modules and
-    no more micro-batches in flight than the first."""
+    """The row of the rank that holds the most: rank 0 (FSDP gives it the largest shards)."""
+    ranks = {0}
+    # feature: pipeline
+    # or under pp the first rank of the last stage where that holds more (the head, the loss); a middle stage holds
+    # fewer modules and no more micro-batches in flight than the first
     topology = Topology.of(cfg)
-    last = topology.world_size - topology.world_size // topology.stages
-    return max((estimate(cfg, layout, rank) for rank in {0, last}), key=lambda row: row.total)
+    ranks.add(topology.world_size - topology.world_size // topology.pipeline_parallel_size)
+    # /feature: pipeline
+    return max((estimate(cfg, layout, rank) for rank in ranks), key=lambda row: row.total)
 
 
 def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
-    allows: on one device `single`; else DDP, FSDP for any model (HSDP across nodes), pipeline stages across
-    nodes where the model's plan has a `pipeline` (pipeline_layout), experts split inside a node where it has
-    `experts` (before the same layout without: it holds as much and gathers only its own experts), TP inside a
-    node where it splits layers."""
+    allows: on one device `single`; else DDP, FSDP for any model (HSDP across nodes), experts split inside a node
+    where it has `experts` (before the same layout without: it holds as much and gathers only its own experts),
+    TP inside a node where it splits layers."""
     layouts = [["strategy=single"]] if topology.world_size == 1 else parallel_layouts(cfg, topology)
     # feature: deepspeed
     import importlib.util

@@ -1,7 +1,6 @@
 """Training throughput in the loggers and the progress output: perf/samples_per_sec (perf/steps_per_sec where
 the global batch is unknown), perf/tokens_per_sec (models of token sequences), perf/mfu (model FLOPs
-utilisation, where the GPU's peak is known) and, under a pipeline, the share of a step a rank idles in its
-schedule's ideal timing.
+utilisation, where the GPU's peak is known).
 
 Measured over each interval of `trainer.log_every_n_steps` optimizer steps, at the steps Lightning logs at.
 Lightning's ThroughputMonitor synchronizes the GPU at every step for its clock (and its peak table lists
@@ -39,8 +38,7 @@ class Throughput(Callback):
     datamodule's config has none (a plain LightningDataModule keeps its batch size to itself): steps/s only;
     `tokens_per_sample`: the sequence length, or null for data that are not token sequences. MFU needs
     the module's `flops_per_token` (training FLOPs, forward and backward; a method or a value) and a bf16 run on a
-    GPU listed in PEAK_BF16_FLOPS. It is read in `setup`, before configure_model: a pipeline stage holds only its
-    own layers afterwards (a later stage has no embedding to count)."""
+    GPU listed in PEAK_BF16_FLOPS."""
 
     def __init__(self, samples_per_step: int | None, tokens_per_sample: int | None = None):
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
@@ -52,6 +50,9 @@ class Throughput(Callback):
         self._start: tuple[int, float] | None = None  # (global step, time) where the interval began
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        # feature: pipeline
+        # read before configure_model: a pipeline stage holds only its own layers then (a later one has no embedding)
+        # /feature: pipeline
         # getattr_static: a plain getattr with a default would also hide an AttributeError raised inside it
         if stage == "fit" and inspect.getattr_static(pl_module, "flops_per_token", None) is not None:
             value = pl_module.flops_per_token

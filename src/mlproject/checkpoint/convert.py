@@ -225,11 +225,12 @@ def saved_shapes(path: str | Path) -> dict[str, Any]:
     }
 
 
-def check_fits(saved: dict[str, Any], module: torch.nn.Module, name: str | Path, stage: bool = False) -> None:
+def check_fits(saved: dict[str, Any], module: torch.nn.Module, name: str | Path, partial: bool = False) -> None:
     """Refuse in one line a checkpoint whose model state (`saved`: name -> tensor or shape) does not fit the
     LightningModule `module`, as one of another model or size does: the first tensor whose shape differs, else the
-    first missing and unexpected names (unless the module loads non-strictly; a pipeline `stage` holds only some of
-    the checkpoint's tensors). Shapes are full ones: a DTensor's global shape, a ZeRO-3 parameter's ds_shape."""
+    first missing and unexpected names (unless the module loads non-strictly; a `partial` module holds only some of
+    the checkpoint's tensors: no name is unexpected). Shapes are full ones: a DTensor's global shape, a ZeRO-3
+    parameter's ds_shape."""
 
     def shape(value) -> str:
         if isinstance(value, torch.Tensor):
@@ -247,7 +248,7 @@ def check_fits(saved: dict[str, Any], module: torch.nn.Module, name: str | Path,
     if not getattr(module, "strict_loading", True):
         return
     missing = [k for k in want if k not in have]
-    unexpected = [] if stage else [k for k in have if k not in want]
+    unexpected = [] if partial else [k for k in have if k not in want]
     found = [
         f"{whose} {keys[0]}{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''} is {where}"
         for whose, keys, where in (

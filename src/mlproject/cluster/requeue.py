@@ -92,17 +92,14 @@ class Signals(L.Callback):
         self._losses = torch.zeros(self.every_n_steps, device=device)
         self._last_step = self._checked_step = trainer.global_step  # a resumed run starts at its checkpoint
         self._mark, self._busy, self._batches = None, 0.0, 0
-        # Sharded parameters (fsdp, tp) or a pipeline stage's own: each rank sees only its part of the gradients, where
-        # a NaN may not be, and ranks deciding alone would apply a partial step. With skip_nonfinite they agree in one
-        # small all-reduce a step (DDP's gradients are whole on every rank: none there).
-        self._sharded = (
-            dist.is_available()
-            and dist.is_initialized()
-            and (
-                any(hasattr(p, "to_local") for p in pl_module.parameters())
-                or getattr(pl_module, "pipeline", None) is not None
-            )
-        )
+        # Sharded parameters (fsdp, tp): each rank sees only its part of the gradients, where a NaN may not be, and
+        # ranks deciding alone would apply a partial step. With skip_nonfinite they agree in one small all-reduce a
+        # step (DDP's gradients are whole on every rank: none there).
+        distributed = dist.is_available() and dist.is_initialized()
+        self._sharded = distributed and any(hasattr(p, "to_local") for p in pl_module.parameters())
+        # feature: pipeline
+        self._sharded |= distributed and getattr(pl_module, "pipeline", None) is not None  # a stage's own, likewise
+        # /feature: pipeline
 
     def on_train_batch_start(self, *args) -> None:
         if self._mark is None:  # the first batch of the run or after a validation: its loading is not timed

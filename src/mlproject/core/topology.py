@@ -107,9 +107,12 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
-        """Processes that read different batches: a tensor-parallel group reads one batch together (and so do
-        the stages of a pipeline: the first feeds the inputs, the last the targets)."""
-        return self.world_size // self.tensor_parallel_size // self.stages
+        """Processes that read different batches: a tensor-parallel group reads one batch together."""
+        size = self.world_size // self.tensor_parallel_size
+        # feature: pipeline
+        size //= self.pipeline_parallel_size  # and so do a pipeline's stages: the first feeds inputs, the last targets
+        # /feature: pipeline
+        return size
 
     @property
     def shard_size(self) -> int:
@@ -117,23 +120,16 @@ class Topology:
         return self.data_parallel_size // self.replicate_size
 
     @property
-    def stages(self) -> int:
-        """Pipeline stages (1: none)."""
-        stages = 1
-        # feature: pipeline
-        stages = self.pipeline_parallel_size
-        # /feature: pipeline
-        return stages
-
-    @property
     def mesh_dims(self) -> dict[str, int]:
-        """The named device mesh, outermost first: pipeline stages (point-to-point sends of activations, the
-        least traffic, so across the slowest links), then data parallelism, then TP. Experts are split over
+        """The named device mesh, outermost first: data parallelism, then TP. Experts are split over
         `expert_parallel`, the inner part of the shard group, and FSDP-sharded over `expert_shard`, the rest;
         dense parameters are sharded over both (`shard`, flattened) and replicated over `replicate`."""
         ep = self.expert_parallel_size
         return {
-            "pipeline": self.stages,
+            # feature: pipeline
+            # pipeline stages outermost: point-to-point sends of activations, the least traffic, so the slowest links
+            "pipeline": self.pipeline_parallel_size,
+            # /feature: pipeline
             "replicate": self.replicate_size,
             "expert_shard": self.shard_size // ep,
             "expert_parallel": ep,

@@ -28,26 +28,33 @@ from mlproject.utils import compat
 
 def named_meshes(topology, device_type: str) -> dict:
     """The job's device meshes by name (Topology.mesh_dims), kept apart as torch asks (a flattened dimension is
-    not sliced from the root): `pipeline`, `replicate`, `shard`, `data_parallel` (both: the batch split), `metrics`
-    (pipeline x data_parallel), `tensor_parallel`,
-    `expert_parallel`, `expert_shard`, `fsdp` (what dense parameters are sharded and replicated over: 2-D for
-    HSDP) and `expert_fsdp` (the same for experts, whose shard group is smaller by the expert-parallel size)."""
+    not sliced from the root): `replicate`, `shard`, `data_parallel` (both: the batch split), `metrics` (what
+    evaluation metrics sum over), `tensor_parallel`, `expert_parallel`, `expert_shard`, `fsdp` (what dense
+    parameters are sharded and replicated over: 2-D for HSDP) and `expert_fsdp` (the same for experts, whose
+    shard group is smaller by the expert-parallel size)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = topology.mesh_dims
-    names = ("pipeline", "replicate", "shard", "tensor_parallel")
-    shard = dims["expert_shard"] * dims["expert_parallel"]
-    shape = (dims["pipeline"], dims["replicate"], shard, dims["tensor_parallel"])
-    root = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    sizes = {"replicate": dims["replicate"], "shard": dims["expert_shard"] * dims["expert_parallel"]}
+    sizes["tensor_parallel"] = dims["tensor_parallel"]
+    # feature: pipeline
+    sizes = {"pipeline": dims["pipeline"], **sizes}
+    # /feature: pipeline
+    names = tuple(sizes)
+    root = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=names)
     split = ("expert_shard", "expert_parallel")
     # by index: torch 2.11's _unflatten refuses a dimension given by a name it has (pytorch#176443)
     experts = compat.mesh_unflatten(root, names.index("shard"), tuple(dims[name] for name in split), split)
     hsdp = dims["replicate"] > 1  # a 1-D mesh otherwise: plain FSDP's placements, bytes and collectives
+    data_parallel = compat.mesh_flatten(root["replicate", "shard"], "data_parallel")
+    metrics = data_parallel  # every rank once, but one per TP group: what evaluation metrics sum over
+    # feature: pipeline
+    # and every stage: only the last has outputs, the others add zeros, and every rank reports the same numbers
+    metrics = compat.mesh_flatten(root["pipeline", "replicate", "shard"], "metrics")
+    # /feature: pipeline
     meshes = {name: root[name] for name in names} | {
-        "data_parallel": compat.mesh_flatten(root["replicate", "shard"], "data_parallel"),
-        # every rank once, but one per TP group: what evaluation metrics sum over (under pp only the last
-        # stage has outputs; the other stages add zeros, and every rank then reports the same numbers)
-        "metrics": compat.mesh_flatten(root["pipeline", "replicate", "shard"], "metrics"),
+        "data_parallel": data_parallel,
+        "metrics": metrics,
         "expert_parallel": experts["expert_parallel"],
         "expert_shard": experts["expert_shard"],
         "fsdp": root["replicate", "shard"] if hsdp else root["shard"],
@@ -180,8 +187,11 @@ class ModelParallel(ModelParallelStrategy):
             object_storage.check_sharded(path, checkpoint_format(path))
         # /feature: object_storage
         check_unpickles(path)
-        stage = getattr(self.lightning_module, "pipeline", None) is not None
-        check_fits(saved_shapes(path), self.lightning_module, path, stage)
+        partial = False
+        # feature: pipeline
+        partial = getattr(self.lightning_module, "pipeline", None) is not None  # a stage holds its own modules only
+        # /feature: pipeline
+        check_fits(saved_shapes(path), self.lightning_module, path, partial)
         # feature: object_storage
         if remote:
             return self._load_sharded_url(path)
@@ -191,8 +201,10 @@ class ModelParallel(ModelParallelStrategy):
         if sharded or (path.is_file() and not self.optimizers):
             with refusing(path):  # a file: Lightning's torch.load, weights-only unless trusted
                 return super().load_checkpoint(path, weights_only=not trusted())
+        # feature: pipeline
         # Positions count every parameter of the writer, so under a pipeline every stage's names are needed
         # (param_names); set_optimizer_state_dict then takes only this stage's from the name-keyed state.
+        # /feature: pipeline
         orders = [self.param_names(optimizer) for optimizer in self.optimizers]
         # feature: deepspeed
         if path.is_dir():  # a DeepSpeed directory: its ZeRO partitions, read by element range as a file is
@@ -253,8 +265,11 @@ class ModelParallel(ModelParallelStrategy):
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
         saved = checkpoint.pop("state_dict")
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        # A pipeline stage holds only its own modules: the file's other keys are the other stages', not unexpected.
-        state_dict = {} if getattr(self.lightning_module, "pipeline", None) is not None else dict(saved)
+        state_dict = dict(saved)
+        # feature: pipeline
+        if getattr(self.lightning_module, "pipeline", None) is not None:
+            state_dict = {}  # a stage holds its own modules only: the file's other keys are the other stages'
+        # /feature: pipeline
         for name in get_model_state_dict(self.model, options=options):
             if name in saved:  # else strict loading reports it; buffers are whole on every rank
                 state_dict[name] = read_like(params[name], partial(read, name, None)) if name in params else saved[name]
@@ -271,8 +286,8 @@ class ModelParallel(ModelParallelStrategy):
                         for key, value in entry.items()
                     }
             state = {names[p]: entry for p, entry in optimizer.state.items()}
-            # Each group names every stage's parameters (a stage takes its own); how the step runs is this
-            # layout's choice (training/optim.py: tensor parallelism's mix of tensors and DTensors needs no foreach).
+            # How the step runs is this layout's choice (training/optim.py: tensor parallelism's mix of tensors and
+            # DTensors needs no foreach).
             groups = [
                 {**written, **{k: group[k] for k in ("foreach", "fused") if k in group}}
                 for written, group in zip(optim["param_groups"], optimizer.param_groups, strict=True)
@@ -280,12 +295,13 @@ class ModelParallel(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, {"state": state, "param_groups": groups}, options=options)
 
     def param_names(self, optimizer) -> list[list[str]]:
-        """The names of each param group's parameters in the single process's order. A pipeline stage's optimizer
-        holds only its own: every stage's are gathered and sorted by their position in the whole module (each
-        group lists its parameters in module order, training/optim.py)."""
+        """The names of each param group's parameters in the single process's order (each group lists its
+        parameters in module order, training/optim.py)."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         # feature: pipeline
+        # A pipeline stage's optimizer holds only its own: every stage's are gathered and sorted by their position
+        # in the whole module; each group then names every stage's parameters (a stage's load takes its own).
         if (pipeline := getattr(self.lightning_module, "pipeline", None)) is not None:
             import torch.distributed as dist
 
@@ -360,7 +376,7 @@ class ModelParallel(ModelParallelStrategy):
 
 
 # what the named meshes (named_meshes) call their dimensions; FSDP over TP combines two of them
-MESH_DIMS = {"pipeline", "replicate", "shard", "tensor_parallel", "expert_shard", "expert_parallel", "data_parallel"}
+MESH_DIMS = {"replicate", "shard", "tensor_parallel", "expert_shard", "expert_parallel", "data_parallel"}
 
 
 def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
@@ -528,12 +544,10 @@ PARALLELIZED: weakref.WeakSet = weakref.WeakSet()
 def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, **plan) -> None:
     """What the strategy applies to each submodule a LightningModule leaves unsharded after its configure_model
     (configure_then_shard), and what a configure_model may call itself: `shard` with the strategy's meshes,
-    settings and plan (model.parallel: blocks, colwise, rowwise, experts, pipeline; `plan` here replaces it; a
-    model without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile
-    (of the whole network). Modules with a `batch_group` attribute (statistics over the global batch, e.g. an
-    MoE router's load) get the data-parallel process group. With a pipeline dimension, the network is first
-    split into this rank's stages by the plan's `pipeline` entry (layers, first, last; distributed/pipeline.py),
-    each stage is sharded as a network of its own, and `pl_module.pipeline` runs them with `loss_fn`.
+    settings and plan (model.parallel: blocks, colwise, rowwise, experts; `plan` here replaces it; a model
+    without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile (of the
+    whole network). Modules with a `batch_group` attribute (statistics over the global batch, e.g. an MoE
+    router's load) get the data-parallel process group.
 
     Lightning calls configure_model per fit/test: the second call does nothing.
     """
@@ -558,6 +572,9 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
     blocks, colwise, rowwise, experts = (plan.get(k) or () for k in ("blocks", "colwise", "rowwise", "experts"))
     meshes, views = strategy.meshes, {"": net}
     # feature: pipeline
+    # With a pipeline dimension the network is first split into this rank's stages by the plan's `pipeline` entry
+    # (layers, first, last; distributed/pipeline.py), each stage is sharded as a network of its own, and
+    # `pl_module.pipeline` runs them with `loss_fn`.
     pp = meshes["pipeline"]
     if pp.size() > 1:
         from mlproject.distributed.pipeline import Pipeline, split
@@ -598,7 +615,11 @@ def clip_gradients(pl_module, optimizer, gradient_clip_val=None, gradient_clip_a
     gradients that mix plain tensors and DTensors (tensor parallelism leaves embeddings and norms whole) or
     DTensors on several meshes (experts)."""
     if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-        clip_grad_norm_(pl_module.parameters(), gradient_clip_val, pl_module.trainer.strategy.topology.stages)
+        holders = pl_module.trainer.world_size
+        # feature: pipeline
+        holders //= pl_module.trainer.strategy.topology.pipeline_parallel_size  # each stage holds its own parameters
+        # /feature: pipeline
+        clip_grad_norm_(pl_module.parameters(), gradient_clip_val, holders)
     else:
         pl_module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -609,17 +630,16 @@ def set_batch_group(net: nn.Module, group) -> None:
             module.batch_group = group
 
 
-def clip_grad_norm_(parameters, max_norm: float, stages: int = 1) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, holders: int | None = None) -> torch.Tensor:
     """Clip by the global gradient norm when gradients mix plain tensors and DTensors on different meshes,
     with one all-reduce for the whole model.
 
     torch's clip_grad_norm_ stacks per-tensor norms, which fails for such a mix (tensor parallelism leaves
     embeddings and norms whole), and reducing each DTensor's norm on its own costs one collective per
     parameter. Instead every rank sums the squares of the gradient elements it holds; an element held by
-    k ranks (replicated over k of the world's ranks) counts 1/k on each, so one sum over all ranks is the
-    global sum of squares. Gradients here are sharded or replicated, never partial (FSDP, TP). Each pipeline
-    stage holds its own parameters: an element is held only within its stage's 1/P of the world, and the same
-    sum over all ranks adds up the stages.
+    k ranks (replicated over k of the `holders` ranks that hold the whole model between them: the world, unless
+    parts of the model live on other ranks) counts 1/k on each, so one sum over all ranks is the global sum of
+    squares. Gradients here are sharded or replicated, never partial (FSDP, TP).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -632,7 +652,7 @@ def clip_grad_norm_(parameters, max_norm: float, stages: int = 1) -> torch.Tenso
             # not pl.is_shard(): FSDP over TP shards by _StridedShard, which is no Shard in torch 2.13
             distinct = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
             g = g.to_local()
-        copies.setdefault(dist.get_world_size() // stages // distinct, []).append(g)
+        copies.setdefault((holders or dist.get_world_size()) // distinct, []).append(g)
     squares = [torch.nn.utils.get_total_norm(grads).square() / k for k, grads in copies.items()]
     total = torch.stack(squares).sum()
     # CPU-offloaded gradients sum on the host, where NCCL has no backend: the one all-reduce runs on the GPU
