@@ -35,8 +35,8 @@ def named_meshes(topology, device_type: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = topology.mesh_dims
-    sizes = {"replicate": dims["replicate"], "shard": dims["expert_shard"] * dims["expert_parallel"]}
-    sizes["tensor_parallel"] = dims["tensor_parallel"]
+    shard = dims["expert_shard"] * dims["expert_parallel"]
+    sizes = {"replicate": dims["replicate"], "shard": shard, "tensor_parallel": dims["tensor_parallel"]}
     # feature: pipeline
     sizes = {"pipeline": dims["pipeline"], **sizes}
     # /feature: pipeline
