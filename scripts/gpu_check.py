@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,13 +42,17 @@ STRATEGIES = [
     # /feature: deepspeed
     "fsdp",
     "hsdp",
+    # feature: tensor
     "tp",
     "fsdp_tp",
+    # /feature: tensor
     # feature: pipeline
     "pp",  # 2 pipeline stages (1F1B), FSDP over the rest: an even number of GPUs
     # /feature: pipeline
     "moe",  # model=gpt_moe (4 experts per block, top-2) on one GPU
+    # feature: expert
     "moe_ep",  # model=gpt_moe under fsdp, its experts split over up to 4 GPUs: an even number of GPUs
+    # /feature: expert
 ]
 # rows that are not a strategy config alone; "single" and "moe" run on one GPU, the rest on every visible GPU
 ROWS = {"moe": ["model=gpt_moe", "strategy=single"], "moe_ep": ["model=gpt_moe", "strategy=fsdp"]}
@@ -131,16 +134,20 @@ def rows_to_run(args, devices: int) -> list[tuple[str, list[str]]]:
             continue
         overrides = [*ROWS.get(strategy, [f"strategy={strategy}"]), *shape]
         overrides.append(f"trainer.devices={1 if strategy in ONE_GPU else devices}")
+        # feature: tensor
         if strategy == "tp" or strategy == "fsdp_tp":
             overrides += [f"strategy.tensor_parallel_size={devices if strategy == 'tp' else max(1, devices // 2)}"]
+        # /feature: tensor
         if strategy == "hsdp":  # one machine: two replicas of a shard over half of its GPUs
             overrides += [f"strategy.replicate_size={2 if devices % 2 == 0 else 1}"]
         # feature: pipeline
         if strategy == "pp":  # gpt_large's 16 blocks in 2 stages of 8, 4 micro-batches (the default)
             overrides += ["strategy.pipeline_parallel_size=2"]
         # /feature: pipeline
+        # feature: expert
         if strategy == "moe_ep":  # the 4 experts divide over 2 or 4 ranks of a shard group
-            overrides += [f"strategy.expert_parallel_size={math.gcd(4, devices)}"]
+            overrides += [f"strategy.expert_parallel_size={4 if devices % 4 == 0 else 2}"]
+        # /feature: expert
         rows.append((strategy, overrides))
     return rows
 

@@ -218,6 +218,12 @@ FEATURES = {
         ),
         extras=("deepspeed",),
     ),
+    "tensor": Feature(  # strategy=tp, fsdp_tp: each block's layers split over a group of ranks (Megatron-style)
+        paths=("configs/strategy/tp.yaml", "configs/strategy/fsdp_tp.yaml"),
+    ),
+    "expert": Feature(  # strategy.expert_parallel_size: an MoE layer's experts split over the ranks of a shard group
+        paths=(),
+    ),
     "pipeline": Feature(  # strategy=pp: the model's blocks split into stages over groups of ranks, on a schedule
         paths=("src/{pkg}/distributed/pipeline.py", "configs/strategy/pp.yaml", "tests/distributed/test_pipeline.py"),
     ),

@@ -121,9 +121,11 @@ def test_fake_process_group_and_mesh_algebra(fake_world):
     root = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
     flat = compat.mesh_flatten(root, "data_parallel")
     assert (flat.mesh_dim_names, flat.size()) == (("data_parallel",), 8)
+    # feature: expert
     split = compat.mesh_unflatten(root, 1, (2, 2), ("expert_shard", "expert_parallel"))
     assert split.mesh_dim_names == ("replicate", "expert_shard", "expert_parallel")
     assert tuple(split.shape) == (2, 2, 2)
+    # /feature: expert
     # rank 1 holds rows 3..5 of 10 split over the 4 ranks of `shard` (chunks of 3, 3, 3, 1)
     assert compat.local_shape_and_offset((10, 3), root["shard"], [Shard(0)]) == ((3, 3), (3, 0))
 

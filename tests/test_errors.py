@@ -64,13 +64,17 @@ CASES = {
         ["strategy=hsdp", "trainer.devices=3", "strategy.replicate_size=2"],
         "strategy.replicate_size=2 must divide the data-parallel size 3",
     ),
+    # feature: expert
     "expert groups that do not divide": (
         ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2", "strategy.expert_parallel_size=4"],
         "strategy.expert_parallel_size=4 must divide the shard size 2",
     ),
+    # /feature: expert
 }
+# feature: tensor
 if "parallel" not in OmegaConf.load(CONFIG_DIR / f"model/{MODEL}.yaml"):
     CASES["tp without a plan"] = (["strategy=tp", "trainer.devices=2"], "has none; use strategy=fsdp")
+# /feature: tensor
 # the digits experiment sets model.net.channels over the model file's: the error names the experiment
 if (DIGITS := CONFIG_DIR / "experiment/digits.yaml").exists():
     CASES["constructor key from an experiment"] = (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import open_dict
 
 from mlproject.core.errors import ConfigError
 from mlproject.core.topology import Topology
@@ -69,10 +68,13 @@ def test_corpus_is_fixed_and_round_trips():
 @pytest.mark.parametrize(
     ("overrides", "error"),
     [
+        (["model=gpt", "data=text", "strategy=fsdp", "strategy.fsdp.cpu_offload=true"], "without a GPU"),
+        # feature: tensor
         (["model=gpt", "data=text", "strategy=fsdp_tp", "trainer.devices=3"], "must divide the 3 process"),
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=4"], "use strategy=fsdp_tp"),
         (["model=gpt", "data=text", "strategy=tp", "trainer.devices=3", "strategy.tensor_parallel_size=3"], "n_head"),
-        (["model=gpt", "data=text", "strategy=fsdp", "strategy.fsdp.cpu_offload=true"], "without a GPU"),
+        # /feature: tensor
+        # feature: expert
         (
             ["model=gpt_moe", "data=text", "strategy=fsdp", "trainer.devices=3", "strategy.expert_parallel_size=3"]
             + ["data.batch_size=3"],
@@ -84,8 +86,9 @@ def test_corpus_is_fixed_and_round_trips():
         ),
         (
             ["model=gpt_moe", "data=text", "strategy=ddp", "trainer.devices=2", "+strategy.expert_parallel_size=2"],
-            "needs strategy=fsdp, hsdp or fsdp_tp",
+            "needs strategy=fsdp or hsdp",
         ),
+        # /feature: expert
     ],
 )
 def test_preflight_refuses_impossible_model_parallel(compose_cfg, overrides, error):
@@ -94,24 +97,32 @@ def test_preflight_refuses_impossible_model_parallel(compose_cfg, overrides, err
         preflight(cfg)
 
 
+# feature: tensor
 def test_global_batch_divides_over_data_parallel_ranks_only(compose_cfg):
-    cfg = compose_cfg("model=gpt", "data=text", "trainer.accelerator=cpu", "strategy=fsdp_tp", "trainer.devices=4")
-    assert Topology.of(cfg).data_parallel_size == 2  # 4 processes in TP groups of 2 read 2 different batches
-    with open_dict(cfg):
-        cfg.strategy.tensor_parallel_size = 4
-    assert Topology.of(cfg).data_parallel_size == 1
+    tp = ["model=gpt", "data=text", "trainer.accelerator=cpu", "strategy=fsdp_tp", "trainer.devices=4"]
+    assert Topology.of(compose_cfg(*tp)).data_parallel_size == 2  # 4 processes in TP groups of 2 read 2 batches
+    assert Topology.of(compose_cfg(*tp, "strategy.tensor_parallel_size=4")).data_parallel_size == 1
 
 
+# /feature: tensor
 def test_the_mesh_is_named_by_the_strategy_config(compose_cfg):
-    """8 processes on 2 nodes: hsdp replicates across the nodes (replicate_size defaults to num_nodes), shards
-    over each node's 4, and expert parallelism takes the inner 2 of each shard group."""
+    """8 processes on 2 nodes: hsdp replicates across the nodes (replicate_size defaults to num_nodes) and shards
+    over each node's 4."""
     moe = ["model=gpt_moe", "data=text", "trainer.accelerator=cpu", "trainer.devices=4", "trainer.num_nodes=2"]
-    topology = Topology.of(compose_cfg(*moe, "strategy=hsdp", "strategy.expert_parallel_size=2")).validate()
+    topology = Topology.of(compose_cfg(*moe, "strategy=hsdp")).validate()
     assert topology.strategy == "hsdp" and topology.shard_size == 4 and topology.data_parallel_size == 8
-    dims = {"replicate": 2, "expert_shard": 2, "expert_parallel": 2, "tensor_parallel": 1}
+    dims = {"replicate": 2, "shard": 4}
     # feature: pipeline
     dims = {"pipeline": 1, **dims}
     # /feature: pipeline
+    # feature: tensor
+    dims["tensor_parallel"] = 1
+    # /feature: tensor
     assert topology.mesh_dims == dims
+    # feature: expert
+    # expert parallelism takes the inner 2 of each shard group (named_meshes splits `shard`)
+    split = Topology.of(compose_cfg(*moe, "strategy=hsdp", "strategy.expert_parallel_size=2")).validate()
+    assert split.mesh_dims == dims and split.expert_parallel_size == 2
+    # /feature: expert
     fsdp = Topology.of(compose_cfg(*moe, "strategy=fsdp")).validate()
     assert fsdp.strategy == "fsdp" and fsdp.mesh_dims["replicate"] == 1 and fsdp.shard_size == 8

@@ -122,7 +122,9 @@ def test_hsdp_across_nodes_tensor_parallel_inside_a_node_and_fsdp_without_a_plan
         # /feature: deepspeed
         ["strategy=hsdp"],
         ["strategy=fsdp"],
+        # feature: tensor
         ["strategy=fsdp_tp", "strategy.tensor_parallel_size=8"],
+        # /feature: tensor
         # feature: deepspeed
         ["strategy=deepspeed_stage_3"],
         ["strategy=deepspeed_stage_3_offload"],
@@ -142,6 +144,7 @@ def test_hsdp_across_nodes_tensor_parallel_inside_a_node_and_fsdp_without_a_plan
     ]
 
 
+# feature: expert
 def test_experts_split_where_the_model_has_them(compose_cfg):
     """model=gpt_moe (4 experts of every block): each FSDP layout comes first with the experts split over 4
     ranks of a node (as many bytes of model states per rank, less traffic and a smaller gather: a rank gathers
@@ -176,6 +179,7 @@ def test_experts_split_where_the_model_has_them(compose_cfg):
         assert dataclasses.replace(result, memory=int(memory_gib * GiB)).recommended.layout == layout
 
 
+# /feature: expert
 def test_512_ranks_in_seconds(compose_cfg):
     cfg = compose_cfg("experiment=gpt_large", "trainer.devices=8", "trainer.num_nodes=64", "data.batch_size=1024")
     start = time.perf_counter()

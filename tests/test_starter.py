@@ -383,6 +383,8 @@ WORDS = {
     "wandb": r"wandb|W&B",
     "mlflow": r"mlflow",
     "deepspeed": r"deepspeed|zero_shards",
+    "tensor": r"tensor_parallel|fsdp_tp|strategy=tp\b|colwise|rowwise|apply_tp",
+    "expert": r"expert_parallel|expert_shard|expert_fsdp|apply_ep|ep_group",
     "pipeline": r"pipeline_parallel|strategy=pp\b|distributed\.pipeline|pipeline_bubble|1f1b|microbatches",
     "object_storage": r"s3fs|s3://|object storage|moto",
     "planner": r"make plan|\.plan import|import plan\b|check_memory|gpu_memory|no-plan|planning\.md|memory planner",

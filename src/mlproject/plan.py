@@ -65,9 +65,16 @@ def fake_world(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+# the mesh dimensions FSDP shards over (named_meshes)
+SHARD_DIMS = ("shard",)
+# feature: expert
+SHARD_DIMS += ("expert_shard",)
+# /feature: expert
+
+
 def model_states(cfg: DictConfig, topology: Topology) -> tuple[int, int, int, int, int]:
-    """(parameter, gradient, optimizer-state, EMA, gathered) bytes on this rank under a torch strategy (single, ddp,
-    fsdp, tp, fsdp_tp, hsdp, expert parallel): DDP replicates, model-parallel layouts run the model's configure_model
+    """(parameter, gradient, optimizer-state, EMA, gathered) bytes on this rank under a torch strategy (single, ddp
+    or one of topology.MODEL_PARALLEL): DDP replicates, model-parallel layouts run the model's configure_model
     on the target mesh with the FSDP settings training applies (bf16-mixed: bf16 gathers). Sharded parameters,
     gradients and AdamW's moments stay in the stored dtype (fp32 under mixed precision: FSDP's master weights)."""
     # feature: pipeline
@@ -120,9 +127,7 @@ def gathered_bytes(model, fsdp: dict | None) -> int:
 
     def whole(p) -> int:  # FSDP made p a DTensor; its shard dimensions carry named_meshes' names
         mesh = p.device_mesh
-        ranks = math.prod(
-            mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names) if name in ("shard", "expert_shard")
-        )
+        ranks = math.prod(mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names) if name in SHARD_DIMS)
         return p.to_local().numel() * ranks * (dtype or p.dtype).itemsize  # rank 0's shard, the largest, x ranks
 
     largest = 0
@@ -165,20 +170,27 @@ def activation_bytes(cfg: DictConfig, topology: Topology) -> int | None:
     from hydra.utils import instantiate
     from torchmetrics import Metric
 
-    from mlproject.distributed.parallel import apply_ac, apply_tp, named_meshes
+    from mlproject.distributed.parallel import apply_ac, named_meshes
     from mlproject.utils import compat
 
     if topology.per_device_batch_size is None:
         return None
     model = meta_model(cfg)
     plan, fsdp = cfg.model.get("parallel") or {}, (cfg.strategy.get("fsdp") or {}) if topology.model_parallel else {}
-    tp, pp = topology.tensor_parallel_size, 1
+    tp, pp = 1, 1
+    # feature: tensor
+    tp = topology.tensor_parallel_size
+    # /feature: tensor
     # feature: pipeline
     pp = topology.pipeline_parallel_size
     # /feature: pipeline
     meshes = named_meshes(topology, "cpu") if tp > 1 or pp > 1 else {}
+    # feature: tensor
     if tp > 1:
+        from mlproject.distributed.parallel import apply_tp
+
         apply_tp(model, meshes["tensor_parallel"], plan.blocks, plan.colwise, plan.rowwise)
+    # /feature: tensor
     if fsdp.get("activation_checkpointing"):
         apply_ac(model, plan.get("blocks", []))
     for metric in model.modules():  # metrics save nothing for backward, and bincount has no meta kernel
@@ -277,9 +289,8 @@ def largest(cfg: DictConfig, layout: str) -> Row:
 
 def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """Strategy overrides from the cheapest in communication to the most frugal in memory, as far as the model
-    allows: on one device `single`; else DDP, FSDP for any model (HSDP across nodes), experts split inside a node
-    where it has `experts` (before the same layout without: it holds as much and gathers only its own experts),
-    TP inside a node where it splits layers."""
+    allows: on one device `single`; else DDP, FSDP for any model (HSDP across nodes), then the layouts that
+    parallel_layouts adds where the model's plan allows them."""
     layouts = [["strategy=single"]] if topology.world_size == 1 else parallel_layouts(cfg, topology)
     # feature: deepspeed
     import importlib.util
@@ -295,17 +306,21 @@ def candidates(cfg: DictConfig, topology: Topology) -> list[list[str]]:
 
 def parallel_layouts(cfg: DictConfig, topology: Topology) -> list[list[str]]:
     """The layouts of candidates on more than one device, before those of other strategies."""
-    from mlproject.distributed.strategies import net_setting
-
-    plan = cfg.model.get("parallel") or {}
     layouts = [["strategy=ddp"]]
+    # feature: expert, tensor, pipeline
+    plan = cfg.model.get("parallel") or {}
+    # /feature: expert, tensor, pipeline
     # shards within a node, replicas across: fewer bytes over the slower links
     sharded = [["strategy=hsdp"], ["strategy=fsdp"]] if topology.nodes > 1 else [["strategy=fsdp"]]
-    # EP divides the experts and a node, so every shard group (a node or all ranks): its all-to-alls stay in a node
-    experts = math.gcd((cfg.model.get("net") or {}).get("n_expert") or 1, topology.devices_per_node)
     for layout in sharded:
+        # feature: expert
+        # experts split inside a node where the model has `experts`, before the same layout without: it holds as
+        # much and gathers only its own experts. EP divides the experts and a node, so every shard group (a node
+        # or all ranks): its all-to-alls stay in a node
+        experts = math.gcd((cfg.model.get("net") or {}).get("n_expert") or 1, topology.devices_per_node)
         if plan.get("experts") and experts > 1:
             layouts.append([*layout, f"strategy.expert_parallel_size={experts}"])
+        # /feature: expert
         layouts.append(layout)
         # feature: pipeline
         # pp after HSDP and before FSDP: a stage per node holds ~1/world of the model, as FSDP does, and sends
@@ -314,11 +329,16 @@ def parallel_layouts(cfg: DictConfig, topology: Topology) -> list[list[str]]:
         if layout == ["strategy=hsdp"] and plan.get("pipeline") and (pipeline := pipeline_layout(cfg, topology)):
             layouts.append(pipeline)
         # /feature: pipeline
+    # feature: tensor
+    # TP inside a node where the plan splits layers
+    from mlproject.distributed.strategies import net_setting
+
     heads = net_setting(cfg, "n_head")[1] or 0
     sizes = [t for t in (8, 4, 2) if t <= topology.devices_per_node and topology.world_size % t == 0]
     sizes = [t for t in sizes if not heads or heads % t == 0]  # TP splits heads: keep it within a node
     if plan.get("colwise") and sizes:
         layouts.append(["strategy=fsdp_tp", f"strategy.tensor_parallel_size={sizes[0]}"])
+    # /feature: tensor
     return layouts
 
 
@@ -333,8 +353,8 @@ def pipeline_layout(cfg: DictConfig, topology: Topology) -> list[str] | None:
 
     stages, microbatches = topology.nodes, 2 * topology.nodes
     pipeline = {"schedule": "1f1b", "microbatches": microbatches}
-    plain = {"tensor_parallel_size": 1, "replicate_size": 1, "expert_parallel_size": 1}
-    shape = replace(topology, strategy="fsdp", pipeline_parallel_size=stages, **plain)
+    plain = {key: 1 for key in vars(topology) if key.endswith("_size") and key != "global_batch_size"}
+    shape = replace(topology, strategy="fsdp", **(plain | {"pipeline_parallel_size": stages}))
     try:
         check_pipeline(OmegaConf.create({"model": cfg.model, "strategy": {"pipeline": pipeline}}), shape.validate())
     except ConfigError:
@@ -413,7 +433,10 @@ def print_plan(result: Plan) -> None:
         table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
     best = result.recommended
     for row in rows:
-        label = row.layout.replace("strategy=", "").replace("strategy.tensor_parallel_size=", "tp=")
+        label = row.layout.replace("strategy=", "")
+        # feature: tensor
+        label = label.replace("strategy.tensor_parallel_size=", "tp=")
+        # /feature: tensor
         # feature: pipeline
         label = label.replace("strategy.pipeline_parallel_size=", "pp=").replace("strategy.pipeline.", "")
         # /feature: pipeline

@@ -139,6 +139,7 @@ def assert_cli(args: list[str]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+# feature: tensor
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tp_checkpoint_resumes_exactly_and_exports(tmp_path):
@@ -158,6 +159,8 @@ def test_tp_checkpoint_resumes_exactly_and_exports(tmp_path):
     assert_export_matches(last(tmp_path, "straight"), tmp_path / "tp.pt", torch.randint(0, 256, (2, 32)))
 
 
+# /feature: tensor
+# feature: expert
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 5 runs of 1-4 processes, in 2 rounds of runs started together
 def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
@@ -196,6 +199,7 @@ def test_expert_parallel_and_hsdp_checkpoints_resume_anywhere(tmp_path):
     assert_export_matches(last(tmp_path, "hsdp"), tmp_path / "moe.pt", torch.randint(0, 256, (2, 32)))
 
 
+# /feature: expert
 # feature: pipeline
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 7 runs of 1-4 processes, in 2 rounds of runs started together

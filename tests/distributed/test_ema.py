@@ -1,4 +1,4 @@
-"""EMA weights (callbacks=ema) under single, ddp, fsdp and tp, against an EMA computed by hand from the weights of
+"""EMA weights (callbacks=ema) under each layout of RUNS, against an EMA computed by hand from the weights of
 every optimizer step; validation and test metrics from the EMA; eval and export of the EMA; a killed fsdp
 run resumes bitwise, EMA included.
 
@@ -48,6 +48,7 @@ RUNS = {
     "single": [*EMA, *SINGLE],
     "ddp": [*EMA, "strategy=ddp", "trainer.devices=2", "trainer.val_check_interval=3"],
     "fsdp": [*EMA, "strategy=fsdp", "trainer.devices=2", "trainer.val_check_interval=3"],
+    # feature: tensor
     # each rank averages its column/row halves; embeddings and norms whole on both
     "tp": [
         *EMA,
@@ -56,7 +57,10 @@ RUNS = {
         "strategy.tensor_parallel_size=2",
         "trainer.val_check_interval=3",
     ],
+    # /feature: tensor
 }
+WITH_EMA = [name for name in RUNS if name != "plain"]
+SHARDED = [name for name in WITH_EMA if name not in ("single", "ddp")]  # a checkpoint folder of shards
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +115,11 @@ def hand_losses(ema: dict[str, torch.Tensor], ckpt) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test waits for all runs
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("name", WITH_EMA)
 def test_ema_is_the_hand_computed_average(runs, name):
     """The checkpoint's EMA is the average of the weights after each optimizer step (the single run
     accumulates 2 micro-batches per step: an update per micro-batch would differ), to the bit in fp32
-    lerp and within fp32 rounding of the float64 formula; fsdp and tp save it sharded like the parameters."""
+    lerp and within fp32 rounding of the float64 formula; SHARDED layouts save it sharded like the parameters."""
     weights = runs[name]["weights"]
     assert len(weights) == STEPS + 1
     state = load_full(runs[name]["ckpt"])["state_dict"]
@@ -126,7 +130,7 @@ def test_ema_is_the_hand_computed_average(runs, name):
         torch.testing.assert_close(ema[k].double(), v, rtol=0, atol=1e-6, msg=k)
     assert max((ema[k] - weights[-1][k]).abs().max() for k in ema) > 1e-2  # not the last weights
     assert_bitwise({k: state[k] for k in ema}, weights[-1])  # the raw weights are the trained ones
-    if name in ("fsdp", "tp"):  # every rank wrote its half of each average (tp: q is split by columns)
+    if name in SHARDED:  # every rank wrote its half of each average (tp: q is split by columns)
         from torch.distributed.checkpoint import FileSystemReader
 
         chunks = FileSystemReader(runs[name]["ckpt"]).read_metadata().state_dict_metadata
@@ -144,7 +148,7 @@ def test_ema_does_not_change_training(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("name", WITH_EMA)
 def test_validation_and_test_use_the_ema(runs, name):
     """val/loss (the last validation) and test/loss (the checkpoint, tested) are those of the hand EMA."""
     want = hand_losses(hand_ema(runs[name]["weights"], exact=True), runs[name]["ckpt"])
@@ -156,7 +160,7 @@ def test_validation_and_test_use_the_ema(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["single", "fsdp", "tp"])
+@pytest.mark.parametrize("name", ["single", *SHARDED])
 def test_eval_and_export_take_the_ema(runs, name, tmp_path):
     """export writes the EMA weights (ema=false: the raw ones), and eval's load_module loads them, from a
     file (single) or a sharded directory (fsdp)."""

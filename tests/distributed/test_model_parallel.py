@@ -1,10 +1,9 @@
-"""FSDP, tensor parallel, 2-D FSDP x TP, ZeRO-1 and ZeRO-2 train the tiny GPT exactly as one process does.
+"""Every strategy of STRATEGIES trains the tiny GPT exactly as one process does.
 
 Every run is a real `python -m mlproject.train` with gloo processes on this machine, fp32, the same
 seed and the same GLOBAL batch. Compared with the single-process run: the global loss of every step,
 the final parameters, and the test metrics (token-weighted loss, accuracy, sequence count). The
-fsdp run also checkpoints activations and fsdp_tp keeps parameters gathered after forward: neither
-may change a number.
+fsdp run also checkpoints activations, which may not change a number.
 """
 
 from __future__ import annotations
@@ -36,15 +35,19 @@ STRATEGIES = {
     "single": ["strategy=single"],
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "fsdp": ["strategy=fsdp", "trainer.devices=2", "strategy.fsdp.activation_checkpointing=true"],
+    "hsdp": ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2"],  # 2 replicas x 2 shards
+    # feature: tensor
     "tp": ["strategy=tp", "trainer.devices=2", "strategy.tensor_parallel_size=2"],
+    # 2-D FSDP x TP, keeping parameters gathered after forward
     "fsdp_tp": [
         "strategy=fsdp_tp",
         "trainer.devices=4",
         "strategy.tensor_parallel_size=2",
         "strategy.fsdp.reshard_after_forward=false",
     ],
-    "hsdp": ["strategy=hsdp", "trainer.devices=4", "strategy.replicate_size=2"],  # 2 replicas x 2 shards
+    # /feature: tensor
 }
+TORCH = list(STRATEGIES)  # the strategies of torch's own parallelism (the planner's)
 
 
 # feature: deepspeed
@@ -105,13 +108,17 @@ def test_same_training_as_one_process(runs, name):
 def test_fsdp_holds_a_share_of_the_model(runs):
     """Per-rank parameter + optimizer bytes, logged by every run: FSDP on 2 ranks holds half of DDP's."""
     single, ddp, fsdp = runs["single"]["footprint"], runs["ddp"]["footprint"], runs["fsdp"]["footprint"]
-    tp, fsdp_tp, hsdp = runs["tp"]["footprint"], runs["fsdp_tp"]["footprint"], runs["hsdp"]["footprint"]
-    assert len(ddp) == len(fsdp) == len(tp) == 2 and len(fsdp_tp) == len(hsdp) == 4
+    hsdp = runs["hsdp"]["footprint"]
+    assert len(ddp) == len(fsdp) == 2 and len(hsdp) == 4
     assert ddp == single * 2  # DDP replicates the whole model on every rank
     for rank_bytes in fsdp:
         assert rank_bytes == pytest.approx(ddp[0] / 2, rel=0.02)
     assert sorted(hsdp) == sorted(fsdp * 2)  # HSDP over 2 x 2 holds what FSDP over 2 does: 1/shard size
+    # feature: tensor
+    tp, fsdp_tp = runs["tp"]["footprint"], runs["fsdp_tp"]["footprint"]
+    assert len(tp) == 2 and len(fsdp_tp) == 4
     assert max(tp) < single[0] and max(fsdp_tp) < min(fsdp)  # TP splits the blocks; 2-D also shards the rest
+    # /feature: tensor
 
 
 # feature: planner
@@ -121,7 +128,7 @@ def test_fsdp_holds_a_share_of_the_model(runs):
 # Not deepspeed_stage_1/2: there the planner gives DeepSpeed's estimate, all model states as one sum for 16-bit
 # mixed precision, not the fp32 parameter and optimizer bytes the footprint line counts
 # /feature: deepspeed
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "tp", "fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("name", TORCH)
 def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     """mlproject.plan, on the meta device and a fake process group, against the footprint line of the real run."""
     from mlproject.plan import estimate

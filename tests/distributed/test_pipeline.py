@@ -47,24 +47,30 @@ STRATEGIES = {
         "strategy.pipeline.microbatches=4",
     ],
 }
-# Clipping by the global norm binds under pp: pp x tp (DTensor and plain gradients on 2 stages) clips every
-# step's gradient to a norm of 0.05, as one process with the same value does, which ends elsewhere than the
-# single process that clips to 1.0 (test_clipping_binds)
-CLIP = "trainer.gradient_clip_val=0.05"
-# 2 stages x 2 FSDP shards (4 sequences per data-parallel rank: 2 micro-batches of 2) and 2 stages x 2 TP ranks
-# (one data-parallel rank: 4 micro-batches of 2), each on every schedule (interleaved: 2 stages per rank)
+# 2 stages x 2 FSDP shards (4 sequences per data-parallel rank: 2 micro-batches of 2), on every schedule
+# (interleaved: 2 stages per rank)
 PP_FSDP = [*PP, "trainer.devices=4", "strategy.pipeline.microbatches=2"]
-PP_TP = [*PP, "trainer.devices=4", "strategy.tensor_parallel_size=2", "strategy.pipeline.microbatches=4"]
 STRATEGIES |= {
     "pp_fsdp": PP_FSDP,
     "pp_fsdp_gpipe": [*PP_FSDP, "strategy.pipeline.schedule=gpipe"],
     "pp_fsdp_interleaved_1f1b": [*PP_FSDP, "strategy.pipeline.schedule=interleaved_1f1b"],
+}
+REFERENCE = {}  # a run's reference other than single
+# feature: tensor
+# 2 stages x 2 TP ranks (one data-parallel rank: 4 micro-batches of 2), on every schedule. Clipping by the global
+# norm binds under pp: pp x tp (DTensor and plain gradients on 2 stages) clips every step's gradient to a norm of
+# 0.05, as one process with the same value does, which ends elsewhere than the single process that clips to 1.0
+# (test_clipping_binds)
+CLIP = "trainer.gradient_clip_val=0.05"
+PP_TP = [*PP, "trainer.devices=4", "strategy.tensor_parallel_size=2", "strategy.pipeline.microbatches=4"]
+STRATEGIES |= {
     "pp_tp": [*PP_TP, CLIP],
     "pp_tp_gpipe": [*PP_TP, "strategy.pipeline.schedule=gpipe"],
     "pp_tp_interleaved_1f1b": [*PP_TP, "strategy.pipeline.schedule=interleaved_1f1b"],
     "single_clip": ["strategy=single", CLIP],
 }
-REFERENCE = {"pp_tp": "single_clip"}  # the other runs: single
+REFERENCE["pp_tp"] = "single_clip"
+# /feature: tensor
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +99,7 @@ def validated(run: dict) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if k.startswith("val/") and v}
 
 
+# feature: tensor
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the first test waits for all runs
 def test_clipping_binds(runs):
@@ -104,6 +111,7 @@ def test_clipping_binds(runs):
     assert moved > 100 * PARAM_ATOL
 
 
+# /feature: tensor
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the first test waits for all runs
 def test_each_stage_holds_its_share(runs):
@@ -115,7 +123,9 @@ def test_each_stage_holds_its_share(runs):
     # FSDP halves each stage; both shards keep Adam's 4-byte step counter of every parameter (69 of them)
     pp_fsdp = runs["pp_fsdp"]["footprint"]
     assert sum(pp_fsdp) == single + 69 * 4 and max(pp_fsdp) < 0.35 * single
+    # feature: tensor
     assert max(runs["pp_tp"]["footprint"]) < min(runs["1f1b"]["footprint"])  # TP splits each stage's blocks too
+    # /feature: tensor
 
 
 @pytest.mark.slow
@@ -156,7 +166,9 @@ def test_impossible_pipelines_refused(compose_cfg, overrides, message):
 # feature: planner
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the first test waits for all runs
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "pp_fsdp", "pp_tp"])
+@pytest.mark.parametrize(
+    "name", ["gpipe", "1f1b", "interleaved_1f1b", "pp_fsdp", *(["pp_tp"] if "pp_tp" in STRATEGIES else [])]
+)
 def test_planner_predicts_every_rank_to_the_byte(runs, compose_cfg, name):
     """mlproject.plan on a fake process group: rank r is on stage r // (world / P), holds that stage's modules only,
     sharded over its data-parallel ranks (pp_fsdp) or split by TP (pp_tp), against the footprint of the real run."""

@@ -39,63 +39,57 @@ def refusal(tmp_path, *overrides: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        (
-            ["strategy=tp", "trainer.devices=2", MLP_PLAN.replace("[mlp.c_fc]", "[attn.c_attn, mlp.c_fc]")],
-            "error: model.parallel.colwise: attn.c_attn of Block is a fused q/k/v projection (Linear 32 -> 96), "
-            "which tensor parallelism cannot split by columns; split it into three Linear layers named in colwise "
-            "(as model=gpt's attn.q, attn.k, attn.v), or drop it and its rowwise output projection from the plan "
-            "(then TP splits the MLP only), or use strategy=fsdp",
-        ),
-        (
-            ["strategy=tp", "trainer.devices=2", MLP_PLAN.replace("[mlp.c_fc]", "[mlp.fc]")],
-            "error: model.parallel.colwise: mlp.fc of Block is no layer; its Linear and Embedding layers: "
-            "attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj",
-        ),
-        (
-            ["strategy=fsdp", "trainer.devices=2", MLP_PLAN.replace("mygpt.model.Block", "mygpt.model.GPT2Block")],
-            "error: model.parallel.blocks: mygpt.model.GPT2Block is not an importable class (Error loading "
-            "'mygpt.model.GPT2Block':",
-        ),
-        (
-            ["strategy=fsdp", "trainer.devices=2", MLP_PLAN.replace("mygpt.model.Block", "torch.nn.GRU")],
-            "error: model.parallel.blocks: no module of torch.nn.GRU in LitGPT; its repeated module classes: "
-            "mygpt.model.Block",
-        ),
-        (  # attn.c_proj's input is the heads side by side: the attention module around it counts them
-            ["strategy=tp", "trainer.devices=2", "model.net.config.n_head=3", "model.net.config.n_embd=48"]
-            + [MLP_PLAN.replace("[mlp.c_proj]", "[attn.c_proj, mlp.c_proj]")],
-            "error: model.net.config.n_head=3 must divide by strategy.tensor_parallel_size=2",
-        ),
-        (
-            ["strategy=tp", "trainer.devices=8", "strategy.tensor_parallel_size=8", "model.net.config.n_head=3"]
-            + ["model.net.config.n_embd=33", MLP_PLAN],
-            "error: model.parallel.colwise: mlp.c_fc of Block has 132 output features, which do not divide by "
-            "strategy.tensor_parallel_size=8",
-        ),
-        (
-            ["+data.vocab_size=256", "model.net.config.vocab_size=100"],
-            "error: model.net.config.vocab_size=100 is smaller than data.vocab_size=256; drop the override (it "
-            "follows the data) or raise it",
-        ),
-        (
-            ["model=nanogpt_lazy", "+data.vocab_size=256", "model.config.vocab_size=100"],
-            "error: model.config.vocab_size=100 is smaller than data.vocab_size=256",
-        ),
-    ],
-    ids=[
-        "fused-qkv",
-        "layer-typo",
-        "class-typo",
-        "class-absent",
-        "nested-heads",
-        "width",
-        "nested-vocab",
-        "lazy-vocab",
-    ],
-)
+CHECKS = {  # id -> (overrides, the line's start)
+    # feature: tensor
+    "fused-qkv": (
+        ["strategy=tp", "trainer.devices=2", MLP_PLAN.replace("[mlp.c_fc]", "[attn.c_attn, mlp.c_fc]")],
+        "error: model.parallel.colwise: attn.c_attn of Block is a fused q/k/v projection (Linear 32 -> 96), "
+        "which tensor parallelism cannot split by columns; split it into three Linear layers named in colwise "
+        "(as model=gpt's attn.q, attn.k, attn.v), or drop it and its rowwise output projection from the plan "
+        "(then TP splits the MLP only), or use strategy=fsdp",
+    ),
+    "layer-typo": (
+        ["strategy=tp", "trainer.devices=2", MLP_PLAN.replace("[mlp.c_fc]", "[mlp.fc]")],
+        "error: model.parallel.colwise: mlp.fc of Block is no layer; its Linear and Embedding layers: "
+        "attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj",
+    ),
+    # /feature: tensor
+    "class-typo": (
+        ["strategy=fsdp", "trainer.devices=2", MLP_PLAN.replace("mygpt.model.Block", "mygpt.model.GPT2Block")],
+        "error: model.parallel.blocks: mygpt.model.GPT2Block is not an importable class (Error loading "
+        "'mygpt.model.GPT2Block':",
+    ),
+    "class-absent": (
+        ["strategy=fsdp", "trainer.devices=2", MLP_PLAN.replace("mygpt.model.Block", "torch.nn.GRU")],
+        "error: model.parallel.blocks: no module of torch.nn.GRU in LitGPT; its repeated module classes: "
+        "mygpt.model.Block",
+    ),
+    # feature: tensor
+    "nested-heads": (  # attn.c_proj's input is the heads side by side: the attention module around it counts them
+        ["strategy=tp", "trainer.devices=2", "model.net.config.n_head=3", "model.net.config.n_embd=48"]
+        + [MLP_PLAN.replace("[mlp.c_proj]", "[attn.c_proj, mlp.c_proj]")],
+        "error: model.net.config.n_head=3 must divide by strategy.tensor_parallel_size=2",
+    ),
+    "width": (
+        ["strategy=tp", "trainer.devices=8", "strategy.tensor_parallel_size=8", "model.net.config.n_head=3"]
+        + ["model.net.config.n_embd=33", MLP_PLAN],
+        "error: model.parallel.colwise: mlp.c_fc of Block has 132 output features, which do not divide by "
+        "strategy.tensor_parallel_size=8",
+    ),
+    # /feature: tensor
+    "nested-vocab": (
+        ["+data.vocab_size=256", "model.net.config.vocab_size=100"],
+        "error: model.net.config.vocab_size=100 is smaller than data.vocab_size=256; drop the override (it "
+        "follows the data) or raise it",
+    ),
+    "lazy-vocab": (
+        ["model=nanogpt_lazy", "+data.vocab_size=256", "model.config.vocab_size=100"],
+        "error: model.config.vocab_size=100 is smaller than data.vocab_size=256",
+    ),
+}
+
+
+@pytest.mark.parametrize(("overrides", "expected"), list(CHECKS.values()), ids=list(CHECKS))
 def test_plan_and_nested_settings_are_checked_before_launch(tmp_path, user_code, overrides, expected):
     """Each in one line from preflight (in this process: no rank starts), where the run used to fail after launch
     (a typo in blocks: 387 lines; the fused split: `not enough values to unpack` in the model's forward) or to pass
@@ -104,6 +98,7 @@ def test_plan_and_nested_settings_are_checked_before_launch(tmp_path, user_code,
     assert refusal(tmp_path, *model, *overrides).startswith(expected)
 
 
+# feature: tensor
 def test_template_plans_pass_the_check(tmp_path, compose_cfg):
     """The template's own plans (separate q, k, v; MoE experts) name what exists, and the check sees their model
     (a wrong layer name in the same plan is refused)."""
@@ -124,6 +119,7 @@ def test_template_plans_pass_the_check(tmp_path, compose_cfg):
         check_plan(cfg, Topology.of(cfg), meta_network(cfg))
 
 
+# /feature: tensor
 STEPS = ["trainer.max_steps=6", "trainer.max_epochs=1", "+callbacks.steps._target_=tests.helpers.callbacks.RecordSteps"]
 SHARDED = ["strategy=fsdp", "trainer.devices=2"]
 QUICK = ["callbacks=none", "test=false", "trainer.limit_val_batches=0"]
@@ -145,9 +141,11 @@ def runs(tmp_path_factory) -> dict:
         "lazy_single": ["model=nanogpt_lazy", *QUICK],
         "lazy": ["model=nanogpt_lazy", *QUICK, *SHARDED],
         "outside": ["model=nanogpt", "model._target_=mygpt.lit.ScaledLitGPT", *QUICK, *SHARDED],
+        # feature: tensor
         # the plan from config alone (the module takes no `parallel`), clipped by the strategy (gradient_clip_val 1)
         "tp": ["model=nanogpt", MLP_PLAN, *QUICK, "strategy=tp", "trainer.devices=2"],
         "fsdp_tp": ["model=nanogpt", MLP_PLAN, *QUICK, "strategy=fsdp_tp", "trainer.devices=4"],
+        # /feature: tensor
     }
     root = tmp_path_factory.mktemp("moves_in")
 
@@ -160,11 +158,16 @@ def runs(tmp_path_factory) -> dict:
     return dict(zip(plans, together(*(lambda n=n: one(n) for n in plans)), strict=True))
 
 
+SAME_AS = [("ddp", "single"), ("empty_hook", "single"), ("lazy", "lazy_single")]  # (run, its one-process reference)
+BUILDS = [("single", 2), ("ddp", 3), ("empty_hook", 3)]  # (run, how often the network is built)
+# feature: tensor
+SAME_AS += [("tp", "single"), ("fsdp_tp", "single")]
+BUILDS += [("fsdp_tp", 5)]
+# /feature: tensor
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "reference"),
-    [("ddp", "single"), ("empty_hook", "single"), ("lazy", "lazy_single"), ("tp", "single"), ("fsdp_tp", "single")],
-)
+@pytest.mark.parametrize(("name", "reference"), SAME_AS)
 def test_the_module_is_sharded_by_its_plan_or_whole_and_trains_as_one_process(runs, name, reference):
     """DDP replicates the module as it is. An empty configure_model, or one that builds the network (Lightning's
     lazy-build hook), used to leave the network whole under fsdp: each rank trained its own copy, unsynced. The
@@ -183,7 +186,7 @@ def test_the_module_is_sharded_by_its_plan_or_whole_and_trains_as_one_process(ru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "builds"), [("single", 2), ("ddp", 3), ("empty_hook", 3), ("fsdp_tp", 5)])
+@pytest.mark.parametrize(("name", "builds"), BUILDS)
 def test_the_network_is_built_once_per_rank_and_once_on_the_meta_device(runs, name, builds):
     """The user's GPT prints its size in __init__, as nanoGPT does: rank 0 builds it once on the meta device, which
     preflight's checks and the memory estimate copy, and each rank once to train (one process used to build it 3

@@ -35,11 +35,16 @@ GPT = [o for o in TINY if not o.startswith(REPLACED)]
 GPT += [f"model.net.n_head={HEADS}", f"model.net.n_embd={8 * HEADS}", f"data.batch_size={math.lcm(8, GPUS)}"]
 RUNS = {  # (example, strategy); fsdp shards the digits CNN (no plan) whole (tests/distributed/test_fsdp_any_model.py)
     **{(example, s): [f"strategy={s}"] for example in ("digits", "gpt") for s in ["single", "ddp", "fsdp"]},
-    # tp and expert parallelism split the layers the GPT's plan names; hsdp is fsdp's code with replicas
-    ("gpt", "tp"): ["strategy=tp", f"strategy.tensor_parallel_size={GPUS}"],
+    # hsdp is fsdp's code with replicas
     ("gpt", "hsdp"): ["strategy=hsdp", f"strategy.replicate_size={2 if GPUS % 2 == 0 else 1}"],
     ("gpt_moe", "single"): ["model=gpt_moe", "strategy=single"],  # 4 experts, split over up to 4 GPUs
+    # feature: tensor
+    # tp splits the layers the GPT's plan names
+    ("gpt", "tp"): ["strategy=tp", f"strategy.tensor_parallel_size={GPUS}"],
+    # /feature: tensor
+    # feature: expert
     ("gpt_moe", "fsdp_ep"): ["model=gpt_moe", "strategy=fsdp", f"strategy.expert_parallel_size={math.gcd(4, GPUS)}"],
+    # /feature: expert
 }
 # feature: pipeline
 if GPUS % 2 == 0:  # 2 stages of the tiny GPT's 2 blocks, FSDP over the rest; 1F1B on 2 micro-batches

@@ -68,7 +68,9 @@ RANGES: dict[str, Range] = {
     "model.scheduler.min_lr_ratio": FRACTION,
     "strategy.timeout": POSITIVE,
     "cluster.collective_timeout_s": POSITIVE,
+    # feature: tensor
     "strategy.tensor_parallel_size": COUNT,
+    # /feature: tensor
     "cluster.signal_check_every_n_steps": COUNT,
     # feature: planner
     "cluster.gpu_memory_gb": POSITIVE,

@@ -10,8 +10,16 @@ from dataclasses import dataclass
 
 from mlproject.core.errors import ConfigError
 
-# configs/strategy/*.yaml name a factory in distributed/strategies.py; model_parallel covers these options
-MODEL_PARALLEL = ("fsdp", "hsdp", "tp", "fsdp_tp")
+# configs/strategy/*.yaml name a factory in distributed/strategies.py; model_parallel covers these options, and
+# those of them that shard over data-parallel ranks (FSDP) can add experts or stages
+SHARDED = ("fsdp", "hsdp")
+# feature: tensor
+SHARDED += ("fsdp_tp",)
+# /feature: tensor
+MODEL_PARALLEL = SHARDED
+# feature: tensor
+MODEL_PARALLEL += ("tp",)
+# /feature: tensor
 
 
 def per_device_batch_size(batch_size: int, replicas: int, accumulate: int = 1, exact: bool = True) -> int:
@@ -61,12 +69,16 @@ def _devices(devices, accelerator: str) -> int:
 
 @dataclass(frozen=True)
 class Topology:
-    strategy: str  # single | ddp | ddp_spawn | fsdp | hsdp | tp | fsdp_tp | another factory's name, or a custom class
+    strategy: str  # single | ddp | ddp_spawn | one of MODEL_PARALLEL | another factory's name, or a custom class
     nodes: int = 1
     devices_per_node: int = 1
-    tensor_parallel_size: int = 1
     replicate_size: int = 1  # data-parallel groups that each hold a full FSDP copy (HSDP); 1: plain FSDP
+    # feature: tensor
+    tensor_parallel_size: int = 1  # processes that split each block's layers and read one batch together
+    # /feature: tensor
+    # feature: expert
     expert_parallel_size: int = 1  # ranks of a shard group that split the experts of an MoE layer
+    # /feature: expert
     # feature: pipeline
     pipeline_parallel_size: int = 1  # pipeline stages (groups of ranks) the network's blocks are split over
     # /feature: pipeline
@@ -80,21 +92,29 @@ class Topology:
         name = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
         if name == "auto":
             name = auto_strategy(cfg.trainer.devices, cfg.trainer.get("num_nodes", 1), cfg.trainer.accelerator)
-        tp, replicate = int(strategy.get("tensor_parallel_size", 1)), int(strategy.get("replicate_size", 1))
-        if name == "model_parallel":
-            fsdp = "hsdp" if replicate > 1 else "fsdp"
-            name = "tp" if strategy.get("fsdp") is None else "fsdp_tp" if tp > 1 else fsdp
-        data = cfg.get("data") or {}
-        degrees = {"expert_parallel_size": int(strategy.get("expert_parallel_size", 1))}
+        degrees = {"replicate_size": int(strategy.get("replicate_size", 1))}
+        # feature: tensor
+        degrees["tensor_parallel_size"] = int(strategy.get("tensor_parallel_size", 1))
+        # /feature: tensor
+        # feature: expert
+        degrees["expert_parallel_size"] = int(strategy.get("expert_parallel_size", 1))
+        # /feature: expert
         # feature: pipeline
         degrees["pipeline_parallel_size"] = int(strategy.get("pipeline_parallel_size", 1))
         # /feature: pipeline
+        if name == "model_parallel":
+            name = "hsdp" if degrees["replicate_size"] > 1 else "fsdp"
+            # feature: tensor
+            if strategy.get("fsdp") is None:
+                name = "tp"
+            elif degrees["tensor_parallel_size"] > 1:
+                name = "fsdp_tp"
+            # /feature: tensor
+        data = cfg.get("data") or {}
         return cls(
             strategy=name,
             nodes=int(cfg.trainer.get("num_nodes", 1)),
             devices_per_node=_devices(cfg.trainer.devices, cfg.trainer.accelerator),
-            tensor_parallel_size=tp,
-            replicate_size=replicate,
             **degrees,
             accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1)),
             global_batch_size=data.get("batch_size") if global_batch(data) else None,
@@ -107,8 +127,11 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
-        """Processes that read different batches: a tensor-parallel group reads one batch together."""
-        size = self.world_size // self.tensor_parallel_size
+        """Processes that read different batches."""
+        size = self.world_size
+        # feature: tensor
+        size //= self.tensor_parallel_size  # a tensor-parallel group reads one batch together
+        # /feature: tensor
         # feature: pipeline
         size //= self.pipeline_parallel_size  # and so do a pipeline's stages: the first feeds inputs, the last targets
         # /feature: pipeline
@@ -121,20 +144,18 @@ class Topology:
 
     @property
     def mesh_dims(self) -> dict[str, int]:
-        """The named device mesh, outermost first: data parallelism, then TP. Experts are split over
-        `expert_parallel`, the inner part of the shard group, and FSDP-sharded over `expert_shard`, the rest;
-        dense parameters are sharded over both (`shard`, flattened) and replicated over `replicate`."""
-        ep = self.expert_parallel_size
-        return {
-            # feature: pipeline
-            # pipeline stages outermost: point-to-point sends of activations, the least traffic, so the slowest links
-            "pipeline": self.pipeline_parallel_size,
-            # /feature: pipeline
-            "replicate": self.replicate_size,
-            "expert_shard": self.shard_size // ep,
-            "expert_parallel": ep,
-            "tensor_parallel": self.tensor_parallel_size,
-        }
+        """The named device mesh, outermost first: data parallelism (dense parameters replicated over `replicate`,
+        sharded over `shard`), innermost the dimensions with the most traffic, on the fastest links."""
+        dims = {}
+        # feature: pipeline
+        # pipeline stages outermost: point-to-point sends of activations, the least traffic, so the slowest links
+        dims["pipeline"] = self.pipeline_parallel_size
+        # /feature: pipeline
+        dims |= {"replicate": self.replicate_size, "shard": self.shard_size}
+        # feature: tensor
+        dims["tensor_parallel"] = self.tensor_parallel_size
+        # /feature: tensor
+        return dims
 
     @property
     def model_parallel(self) -> bool:
@@ -149,52 +170,62 @@ class Topology:
 
     def validate(self) -> Topology:
         """Refuse a shape that cannot run, in one line naming the fix; returns itself."""
-        world, tp = self.world_size, self.tensor_parallel_size
+        world = self.world_size
         if self.strategy == "single" and world > 1:
             raise ConfigError(
                 f"strategy=single runs one process but trainer.devices x trainer.num_nodes = {world}; "
                 "use strategy=ddp (or trainer.devices=1)"
             )
+        left = world  # processes per model-parallel group
+        # feature: tensor
+        tp = self.tensor_parallel_size
         if tp < 1 or world % tp:
             raise ConfigError(
                 f"strategy.tensor_parallel_size={tp} must divide the {world} process(es) "
                 "(trainer.devices x trainer.num_nodes); change one of them"
             )
+        left //= tp
+        # /feature: tensor
         # feature: pipeline
         pp = self.pipeline_parallel_size
-        if pp < 1 or world % (pp * tp):
+        if pp < 1 or left % pp:
             raise ConfigError(
-                f"strategy.pipeline_parallel_size={pp} x tensor_parallel_size={tp} must divide the {world} "
-                "process(es) (trainer.devices x trainer.num_nodes); change one of them"
+                f"strategy.pipeline_parallel_size={pp} must divide the {left} process(es) of trainer.devices x "
+                "trainer.num_nodes that tensor-parallel groups leave; change one of them"
             )
-        if pp > 1 and self.strategy not in ("fsdp", "hsdp", "fsdp_tp"):
+        if pp > 1 and self.strategy not in SHARDED:
             raise ConfigError(
                 f"strategy.pipeline_parallel_size={pp} runs on FSDP (strategy=pp, which FSDP-shards each stage over "
                 f"the data-parallel ranks), not on strategy={self.strategy}"
             )
         # /feature: pipeline
-        replicate, ep, dp = self.replicate_size, self.expert_parallel_size, self.data_parallel_size
+        replicate, dp = self.replicate_size, self.data_parallel_size
         if replicate < 1 or dp % replicate:
             raise ConfigError(
-                f"strategy.replicate_size={replicate} must divide the data-parallel size {dp} (processes / "
-                f"strategy.tensor_parallel_size); the shard size is what is left (e.g. replicate_size=nodes)"
+                f"strategy.replicate_size={replicate} must divide the data-parallel size {dp} (the processes that "
+                "read different batches); the shard size is what is left (e.g. replicate_size=nodes)"
             )
+        # feature: expert
+        ep = self.expert_parallel_size
         if ep < 1 or (dp // replicate) % ep:
             raise ConfigError(
-                f"strategy.expert_parallel_size={ep} must divide the shard size {dp // replicate} (processes / "
-                f"tensor_parallel_size / replicate_size); expert groups live inside a shard group"
+                f"strategy.expert_parallel_size={ep} must divide the shard size {dp // replicate} (data-parallel "
+                "size / replicate_size); expert groups live inside a shard group"
             )
-        if ep > 1 and self.strategy not in ("fsdp", "hsdp", "fsdp_tp"):
+        if ep > 1 and self.strategy not in SHARDED:
             raise ConfigError(
-                f"strategy.expert_parallel_size={ep} needs strategy=fsdp, hsdp or fsdp_tp (FSDP reduces the "
+                f"strategy.expert_parallel_size={ep} needs strategy={' or '.join(SHARDED)} (FSDP reduces the "
                 f"experts' gradients), not {self.strategy}"
             )
-        if self.strategy == "tp" and tp != world:
+        # /feature: expert
+        # feature: tensor
+        if self.strategy == "tp" and self.tensor_parallel_size != world:
             raise ConfigError(
                 f"strategy=tp puts all {world} process(es) in one tensor-parallel group but "
-                f"strategy.tensor_parallel_size={tp}; set it to {world}, "
+                f"strategy.tensor_parallel_size={self.tensor_parallel_size}; set it to {world}, "
                 "or use strategy=fsdp_tp to add data parallelism"
             )
+        # /feature: tensor
         if self.global_batch_size is not None:
             self.per_device_batch_size  # noqa: B018 (raises if the global batch does not divide)
         return self

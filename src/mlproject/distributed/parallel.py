@@ -1,14 +1,20 @@
-"""Model parallelism on Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`, HSDP), tensor parallelism
-and expert parallelism, on one named N-D device mesh.
+"""Model parallelism on Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`, HSDP) on one named N-D
+device mesh.
 
-Lightning's strategy builds a fixed (data_parallel, tensor_parallel) mesh; ours builds the mesh the job's
-Topology names (replicate, shard split into expert_shard x expert_parallel, tensor_parallel), torchtitan's
-way, and leaves sharding to the model's `configure_model`. Every model calls `parallelize` there with its own
-plan from config: which module classes are blocks (FSDP's unit, activation checkpointing's unit), which layers
-inside a block are split by columns or rows (Megatron-style: column-parallel layers feed row-parallel ones,
-so each attention and MLP needs one all-reduce forward and one backward), and which modules hold experts.
-A model without a plan is sharded as one FSDP unit.
+Lightning's strategy builds a fixed 2-D mesh (data x tensor parallel); ours builds the mesh the job's
+Topology names (Topology.mesh_dims), torchtitan's way, and shards each submodule the module leaves unsharded
+after its `configure_model` by the model's plan from config (model.parallel): which module classes are blocks
+(FSDP's unit, activation checkpointing's unit). A model without a plan is sharded as one FSDP unit.
 """
+
+# feature: tensor
+# Tensor parallelism: the plan's `colwise` and `rowwise` layers inside a block are split by columns or rows
+# (Megatron-style: column-parallel layers feed row-parallel ones, so each attention and MLP needs one all-reduce
+# forward and one backward).
+# /feature: tensor
+# feature: expert
+# Expert parallelism: the plan's `experts` modules are split over the inner part of each shard group.
+# /feature: expert
 
 from __future__ import annotations
 
@@ -28,23 +34,14 @@ from mlproject.utils import compat
 
 def named_meshes(topology, device_type: str) -> dict:
     """The job's device meshes by name (Topology.mesh_dims), kept apart as torch asks (a flattened dimension is
-    not sliced from the root): `replicate`, `shard`, `data_parallel` (both: the batch split), `metrics` (what
-    evaluation metrics sum over), `tensor_parallel`, `expert_parallel`, `expert_shard`, `fsdp` (what dense
-    parameters are sharded and replicated over: 2-D for HSDP) and `expert_fsdp` (the same for experts, whose
-    shard group is smaller by the expert-parallel size)."""
+    not sliced from the root): each of the root's dimensions, `data_parallel` (replicate and shard: the batch
+    split), `metrics` (what evaluation metrics sum over) and `fsdp` (what dense parameters are sharded and
+    replicated over: 2-D for HSDP)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = topology.mesh_dims
-    shard = dims["expert_shard"] * dims["expert_parallel"]
-    sizes = {"replicate": dims["replicate"], "shard": shard, "tensor_parallel": dims["tensor_parallel"]}
-    # feature: pipeline
-    sizes = {"pipeline": dims["pipeline"], **sizes}
-    # /feature: pipeline
-    names = tuple(sizes)
-    root = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=names)
-    split = ("expert_shard", "expert_parallel")
-    # by index: torch 2.11's _unflatten refuses a dimension given by a name it has (pytorch#176443)
-    experts = compat.mesh_unflatten(root, names.index("shard"), tuple(dims[name] for name in split), split)
+    names = tuple(dims)
+    root = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
     hsdp = dims["replicate"] > 1  # a 1-D mesh otherwise: plain FSDP's placements, bytes and collectives
     data_parallel = compat.mesh_flatten(root["replicate", "shard"], "data_parallel")
     metrics = data_parallel  # every rank once, but one per TP group: what evaluation metrics sum over
@@ -55,37 +52,43 @@ def named_meshes(topology, device_type: str) -> dict:
     meshes = {name: root[name] for name in names} | {
         "data_parallel": data_parallel,
         "metrics": metrics,
+        "fsdp": root["replicate", "shard"] if hsdp else root["shard"],
+    }
+    # feature: expert
+    # Experts are split over `expert_parallel`, the inner part of the shard group, and FSDP-sharded over
+    # `expert_shard`, the rest (`expert_fsdp`: with `replicate` under HSDP).
+    ep = topology.expert_parallel_size
+    split = ("expert_shard", "expert_parallel")
+    # by index: torch 2.11's _unflatten refuses a dimension given by a name it has (pytorch#176443)
+    experts = compat.mesh_unflatten(root, names.index("shard"), (dims["shard"] // ep, ep), split)
+    meshes |= {
         "expert_parallel": experts["expert_parallel"],
         "expert_shard": experts["expert_shard"],
-        "fsdp": root["replicate", "shard"] if hsdp else root["shard"],
         "expert_fsdp": experts["replicate", "expert_shard"] if hsdp else experts["expert_shard"],
     }
+    # /feature: expert
     return {"root": root, **meshes}
 
 
 class ModelParallel(ModelParallelStrategy):
     """Lightning's strategy on our named mesh, plus our FSDP settings and the model's plan (model.parallel), which
     `parallelize` applies after the module's configure_model, and clipping of DTensor gradients (clip_gradients).
-    `fsdp=None` means no sharding (pure tensor parallelism: every process is in the one TP group). Degrees are
-    plain integers; the shard size is what the others leave of the world."""
+    Degrees (Topology's `*_size` fields) are plain integers; the shard size is what the others leave of the world."""
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 1,
-        fsdp: dict | None = None,
-        replicate_size: int = 1,
-        expert_parallel_size: int = 1,
+    def __init__(self, fsdp: dict | None = None, plan: dict | None = None, **kwargs):
+        degrees = {key: kwargs.pop(key) for key in list(kwargs) if key.endswith("_size")}  # ours; the rest Lightning's
         # feature: pipeline
-        pipeline_parallel_size: int = 1,
-        pipeline: dict | None = None,
+        pipeline = dict(kwargs.pop("pipeline", None) or {})
         # /feature: pipeline
-        plan: dict | None = None,
-        **kwargs,
-    ):
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size, **kwargs)
-        self.fsdp, self.replicate_size, self.expert_parallel_size = fsdp, replicate_size, expert_parallel_size
+        groups = 1  # Lightning's inner (tensor-parallel) mesh size; its data-parallel size, the rest: setup_environment
+        # feature: tensor
+        groups = degrees.get("tensor_parallel_size", 1)
+        # `fsdp=None` means no sharding: pure tensor parallelism, every process in the one TP group
+        # /feature: tensor
+        super().__init__("auto", groups, **kwargs)
+        self.fsdp, self.degrees, self.groups = fsdp, degrees, groups
         # feature: pipeline
-        self.pipeline_parallel_size, self.pipeline = pipeline_parallel_size, dict(pipeline or {})
+        self.pipeline = pipeline
         # /feature: pipeline
         self.plan = dict(plan or {})  # the model's (model.parallel): which layers each dimension splits
         self.meshes: dict = {}
@@ -94,12 +97,11 @@ class ModelParallel(ModelParallelStrategy):
     def topology(self):
         from mlproject.core.topology import Topology
 
-        kind = "fsdp" if self.fsdp is not None else "tp"
-        degrees = {"replicate_size": self.replicate_size, "expert_parallel_size": self.expert_parallel_size}
-        # feature: pipeline
-        degrees["pipeline_parallel_size"] = self.pipeline_parallel_size
-        # /feature: pipeline
-        return Topology(kind, self.num_nodes, self.num_processes, self._tensor_parallel_size, **degrees)
+        kind = "fsdp"
+        # feature: tensor
+        kind = kind if self.fsdp is not None else "tp"
+        # /feature: tensor
+        return Topology(kind, self.num_nodes, self.num_processes, **self.degrees)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's, except that with an AsyncCheckpointIO (callbacks.model_checkpoint.async_save) the
@@ -338,8 +340,8 @@ class ModelParallel(ModelParallelStrategy):
         return settings
 
     def setup_environment(self) -> None:
-        # Lightning's "auto" data-parallel size is the node count; ours is every process a TP group leaves.
-        self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+        # Lightning's "auto" data-parallel size is the node count; ours is every process its inner groups leave.
+        self._data_parallel_size = self.num_nodes * self.num_processes // self.groups
         super().setup_environment()  # processes, and Lightning's 2-D mesh, which ours replaces
         self.meshes = named_meshes(self.topology, self.root_device.type)
         self._device_mesh = self.meshes["root"]
@@ -363,7 +365,7 @@ class ModelParallel(ModelParallelStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)  # configure_model has run: the layout is final
-        check_sharded(self.lightning_module, self.topology.strategy, self.fsdp is None)
+        check_sharded(self.lightning_module, self.topology.strategy, tp_only=self.fsdp is None)
 
     def model_to_device(self) -> None:
         """Lightning moves the whole module to the device after configure_model; with FSDP's CPU offload that would
@@ -375,13 +377,18 @@ class ModelParallel(ModelParallelStrategy):
                 setattr(module, name, buffer.to(self.root_device))  # a buffer's name keeps it a buffer
 
 
-# what the named meshes (named_meshes) call their dimensions; FSDP over TP combines two of them
-MESH_DIMS = {"replicate", "shard", "tensor_parallel", "expert_shard", "expert_parallel", "data_parallel"}
+# what the named meshes (named_meshes) call the dimensions parameters are laid out on
+MESH_DIMS = {"replicate", "shard", "data_parallel"}
+# feature: tensor
+MESH_DIMS |= {"tensor_parallel"}  # FSDP over TP: 2-D DTensors
+# /feature: tensor
+# feature: expert
+MESH_DIMS |= {"expert_shard", "expert_parallel"}
+# /feature: expert
 
 
-def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
-    """Once after setup: every trainable parameter is a DTensor on our meshes (under pure TP the plan leaves
-    embeddings and norms whole, replicated: at least one layer must be split), or one line names the first one.
+def check_sharded(pl_module, strategy: str, tp_only: bool = False) -> None:
+    """Once after setup: every trainable parameter is a DTensor on our meshes, or one line names the first one.
     A parameter left whole (one held by the LightningModule itself, outside its submodules, or a submodule the
     module parallelized only in part) would otherwise train as one unsynced copy per rank and fail, if at all,
     only when a checkpoint is loaded."""
@@ -395,9 +402,15 @@ def check_sharded(pl_module, strategy: str, tp_only: bool) -> None:
     outside = [
         n for n, p in params if not (isinstance(p, DTensor) and set(p.device_mesh.mesh_dim_names or ()) <= MESH_DIMS)
     ]
-    if not outside or (tp_only and len(outside) < len(params)):
+    if not outside:
         return
-    what = "split by the tensor-parallel plan" if tp_only else "sharded"
+    what = "sharded"
+    # feature: tensor
+    # under pure TP (`tp_only`) the plan leaves embeddings and norms whole, replicated: at least one layer is split
+    if tp_only and len(outside) < len(params):
+        return
+    what = "split by the tensor-parallel plan" if tp_only else what
+    # /feature: tensor
     raise ConfigError(
         f"strategy={strategy}: parameter {outside[0]} of {type(pl_module).__name__} is not {what}, so each rank "
         "would train its own copy without gradient sync; keep it in a submodule (the strategy shards each one "
@@ -438,15 +451,6 @@ def blocks_of(model: nn.Module, blocks: list[str]) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, classes)]
 
 
-def apply_tp(model: nn.Module, mesh, blocks: list[str], colwise: list[str], rowwise: list[str]) -> None:
-    """Split the named layers of every block over the tensor-parallel mesh; other layers stay whole."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {name: ColwiseParallel() for name in colwise} | {name: RowwiseParallel() for name in rowwise}
-    for block in blocks_of(model, blocks):
-        parallelize_module(block, mesh, plan)
-
-
 def apply_ac(model: nn.Module, blocks: list[str]) -> None:
     """Recompute each block's activations in backward instead of keeping them (less memory, ~1/3 more compute)."""
     for block in blocks_of(model, blocks):
@@ -461,6 +465,18 @@ def apply_compile(model: nn.Module, blocks: list[str] = ()) -> None:
         module.compile()
 
 
+# feature: tensor
+def apply_tp(model: nn.Module, mesh, blocks: list[str], colwise: list[str], rowwise: list[str]) -> None:
+    """Split the named layers of every block over the tensor-parallel mesh; other layers stay whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in colwise} | {name: RowwiseParallel() for name in rowwise}
+    for block in blocks_of(model, blocks):
+        parallelize_module(block, mesh, plan)
+
+
+# /feature: tensor
+# feature: expert
 def apply_ep(model: nn.Module, mesh, experts: list[str]) -> None:
     """Split each expert module's parameters (stacked experts first: shape (experts, ...)) over the
     expert-parallel mesh; the module dispatches its tokens to their experts' ranks with all-to-all itself
@@ -473,6 +489,7 @@ def apply_ep(model: nn.Module, mesh, experts: list[str]) -> None:
         module.ep_group = mesh.get_group()
 
 
+# /feature: expert
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -481,13 +498,14 @@ def apply_fsdp(
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
     cpu_offload: bool = False,
+    # feature: expert
     experts: list[str] = (),
     expert_mesh=None,
+    # /feature: expert
 ) -> None:
-    """Shard every expert module and every block on its own (its parameters are gathered only while it runs),
-    then the rest (without blocks: the whole network is one unit). A 2-D mesh (replicate, shard) is HSDP:
-    reduce-scatter within a shard group, then all-reduce across replicas. Experts are sharded over their own,
-    smaller mesh: the expert-parallel ranks split them already."""
+    """Shard every block on its own (its parameters are gathered only while it runs), then the rest (without
+    blocks: the whole network is one unit). A 2-D mesh (replicate, shard) is HSDP: reduce-scatter within a
+    shard group, then all-reduce across replicas."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = (getattr(torch, name) if name else None for name in (param_dtype, reduce_dtype))
@@ -500,40 +518,39 @@ def apply_fsdp(
         fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)}
         for module in (m for m in model.modules() if isinstance(m, compat.BatchNormBase)):
             fully_shard(module, mesh=mesh, **fp32)
+    # feature: expert
+    # experts first, each on its own, over their smaller mesh: the expert-parallel ranks split them already
     if expert_mesh is not None:
         for module in blocks_of(model, experts):
             fully_shard(module, mesh=expert_mesh, **kwargs)
+    # /feature: expert
     for block in blocks_of(model, blocks):
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
 
 
-def shard(
-    net: nn.Module,
-    meshes: dict,
-    fsdp: dict | None,
-    blocks: list[str] = (),
-    colwise=(),
-    rowwise=(),
-    experts=(),
-    compile: bool = False,
-) -> None:
-    """TP, then EP, then activation checkpointing, then compile (per block), then FSDP (`fsdp=None`: none) over
-    the named meshes: what parallelize applies in training, and what a dry run applies on the meta device to a
-    fake world."""
-    settings, blocks = dict(fsdp or {}), list(blocks)
+def shard(net: nn.Module, meshes: dict, fsdp: dict | None, plan: dict, compile: bool = False) -> None:
+    """The plan's parallelisms, then activation checkpointing, then compile (per block), then FSDP (`fsdp=None`:
+    none) over the named meshes: what parallelize applies in training, and what a dry run applies on the meta
+    device to a fake world."""
+    settings, blocks = dict(fsdp or {}), list(plan.get("blocks") or ())
+    # feature: tensor
     if meshes["tensor_parallel"].size() > 1:
-        apply_tp(net, meshes["tensor_parallel"], blocks, list(colwise), list(rowwise))
-    ep = meshes["expert_parallel"].size() > 1
-    if ep:
-        apply_ep(net, meshes["expert_parallel"], list(experts))
+        colwise, rowwise = (list(plan.get(key) or ()) for key in ("colwise", "rowwise"))
+        apply_tp(net, meshes["tensor_parallel"], blocks, colwise, rowwise)
+    # /feature: tensor
+    experts = {}  # apply_fsdp's arguments for expert modules
+    # feature: expert
+    if meshes["expert_parallel"].size() > 1:
+        experts = {"experts": list(plan.get("experts") or ()), "expert_mesh": meshes["expert_fsdp"]}
+        apply_ep(net, meshes["expert_parallel"], experts["experts"])
+    # /feature: expert
     if settings.pop("activation_checkpointing", False):
         apply_ac(net, blocks)
     if compile:
         apply_compile(net, blocks)
     if fsdp is not None:
-        expert_mesh = meshes["expert_fsdp"] if ep else None
-        apply_fsdp(net, meshes["fsdp"], blocks, **settings, experts=list(experts), expert_mesh=expert_mesh)
+        apply_fsdp(net, meshes["fsdp"], blocks, **settings, **experts)
 
 
 # networks parallelize has run on: Lightning calls configure_model per fit/test (a set, not an attribute on the
@@ -544,10 +561,10 @@ PARALLELIZED: weakref.WeakSet = weakref.WeakSet()
 def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, **plan) -> None:
     """What the strategy applies to each submodule a LightningModule leaves unsharded after its configure_model
     (configure_then_shard), and what a configure_model may call itself: `shard` with the strategy's meshes,
-    settings and plan (model.parallel: blocks, colwise, rowwise, experts; `plan` here replaces it; a model
-    without a plan gives no blocks: FSDP shards it whole). Under other strategies only the compile (of the
-    whole network). Modules with a `batch_group` attribute (statistics over the global batch, e.g. an MoE
-    router's load) get the data-parallel process group.
+    settings and plan (model.parallel; `plan` here replaces it; a model without a plan gives no blocks: FSDP
+    shards it whole). Under other strategies only the compile (of the whole network). Modules with a
+    `batch_group` attribute (statistics over the global batch, e.g. an MoE router's load) get the data-parallel
+    process group.
 
     Lightning calls configure_model per fit/test: the second call does nothing.
     """
@@ -569,7 +586,6 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
         return
     check_same_weights(net, strategy)
     plan = plan or strategy.plan
-    blocks, colwise, rowwise, experts = (plan.get(k) or () for k in ("blocks", "colwise", "rowwise", "experts"))
     meshes, views = strategy.meshes, {"": net}
     # feature: pipeline
     # With a pipeline dimension the network is first split into this rank's stages by the plan's `pipeline` entry
@@ -584,7 +600,7 @@ def parallelize(pl_module, net: nn.Module, compile: bool = False, loss_fn=None, 
         views = split(net, pp.get_local_rank(), pp.size(), schedule, **plan["pipeline"])
     # /feature: pipeline
     for view in views.values():
-        shard(view, meshes, strategy.fsdp_settings, blocks, colwise, rowwise, experts, compile)
+        shard(view, meshes, strategy.fsdp_settings, plan, compile)
     # feature: pipeline
     if pp.size() > 1:
         pl_module.pipeline = Pipeline(views, pp, schedule, microbatches, loss_fn, order)

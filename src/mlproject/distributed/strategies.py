@@ -7,7 +7,7 @@ from datetime import timedelta
 from omegaconf import DictConfig, open_dict
 
 from mlproject.core.errors import ConfigError
-from mlproject.core.topology import Topology, auto_strategy
+from mlproject.core.topology import SHARDED, Topology, auto_strategy
 
 
 def single(timeout: float | None = None):
@@ -89,13 +89,18 @@ def net_setting(cfg: DictConfig, key: str) -> tuple[str, object]:
 
 
 def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
-    """Preflight for strategy=fsdp|hsdp|tp|fsdp_tp: what the model and the machine must allow (the topology's
-    own shape was validated already)."""
+    """Preflight for the strategies of topology.MODEL_PARALLEL: what the model and the machine must allow (the
+    topology's own shape was validated already)."""
     if not topology.model_parallel:
         return
-    strategy, name = cfg.strategy, topology.strategy
-    tp, ep = topology.tensor_parallel_size, topology.expert_parallel_size
+    strategy = cfg.strategy
+    if topology.strategy in SHARDED and strategy.get("fsdp") is None:
+        raise ConfigError(
+            f"strategy.fsdp=null leaves strategy={topology.strategy} unsharded, but it runs on FSDP; drop the override"
+        )
     plan = cfg.model.get("parallel") or {}
+    # feature: expert
+    ep = topology.expert_parallel_size
     experts_at, experts = net_setting(cfg, "n_expert")
     if ep > 1 and not plan.get("experts"):
         raise ConfigError(f"strategy.expert_parallel_size={ep} needs a mixture-of-experts model (e.g. model=gpt_moe)")
@@ -103,12 +108,15 @@ def check_model_parallel(cfg: DictConfig, topology: Topology) -> None:
         raise ConfigError(
             f"{experts_at or 'model.net.n_expert'}={experts} must divide by strategy.expert_parallel_size={ep}"
         )
-    if tp > 1 and not plan.get("colwise"):
+    # /feature: expert
+    # feature: tensor
+    if topology.tensor_parallel_size > 1 and not plan.get("colwise"):
         model = str(cfg.model.get("_target_", "the model")).rsplit(".", 1)[-1]
         raise ConfigError(
-            f"strategy={name} splits layers named by a `parallel` plan in the model config (e.g. model=gpt); "
-            f"{model} has none; use strategy=fsdp"
+            f"strategy={topology.strategy} splits layers named by a `parallel` plan in the model config (e.g. "
+            f"model=gpt); {model} has none; use strategy=fsdp"
         )
+    # /feature: tensor
     # feature: pipeline
     if topology.pipeline_parallel_size > 1:
         check_pipeline(cfg, topology)
@@ -164,20 +172,11 @@ def check_pipeline(cfg: DictConfig, topology: Topology) -> None:
 
 
 # /feature: pipeline
-# names that fuse q, k and v in one Linear (nanoGPT and GPT-2's c_attn, GPT-NeoX's query_key_value, Phi-3's
-# qkv_proj, MPT's Wqkv, Baichuan's W_pack, torch's in_proj)
-FUSED = ("qkv", "c_attn", "query_key_value", "w_pack", "in_proj")
-
-
 def check_plan(cfg: DictConfig, topology: Topology, network) -> None:
     """Every entry of model.parallel names what it should, before any process starts: `blocks` and `experts` are
-    importable module classes found in the model, `colwise` and `rowwise` are Linear or Embedding layers of a
-    block. Under tensor parallelism each split layer divides evenly, and so do the heads of an attention layer it
-    splits; no colwise layer is a fused q/k/v projection, which a column split cuts into uneven q, k and v pieces
-    (the model's own split then fails inside its forward on every rank). `network`: the model as built on the
-    meta device (build.meta_network), None where it does not build there."""
+    importable module classes, the blocks found in the model. `network`: the model as built on the meta device
+    (build.meta_network), None where it does not build there."""
     from hydra.utils import get_class
-    from torch import nn
 
     plan = cfg.model.get("parallel") or {}
     if not topology.model_parallel or not plan:
@@ -200,6 +199,19 @@ def check_plan(cfg: DictConfig, topology: Topology, network) -> None:
             f"model.parallel.blocks: no module of {', '.join(plan.blocks)} in {type(network).__name__}; its "
             f"repeated module classes: {', '.join(repeated) or 'none'}"
         )
+    # feature: tensor
+    check_tp_plan(cfg, topology, plan, blocks)
+    # /feature: tensor
+
+
+# feature: tensor
+def check_tp_plan(cfg: DictConfig, topology: Topology, plan, blocks: dict) -> None:
+    """`colwise` and `rowwise` are Linear or Embedding layers of a block. Under tensor parallelism each split layer
+    divides evenly, and so do the heads of an attention layer it splits; no colwise layer is a fused q/k/v
+    projection, which a column split cuts into uneven q, k and v pieces (the model's own split then fails inside
+    its forward on every rank)."""
+    from torch import nn
+
     tp = topology.tensor_parallel_size
     for kind in ("colwise", "rowwise"):
         for name in plan.get(kind) or ():
@@ -250,11 +262,31 @@ def check_split(cfg: DictConfig, where: str, block, name: str, layer, kind: str,
         raise ConfigError(f"{where} has {size} {what}, which do not divide by strategy.tensor_parallel_size={tp}")
 
 
+# names that fuse q, k and v in one Linear (nanoGPT and GPT-2's c_attn, GPT-NeoX's query_key_value, Phi-3's
+# qkv_proj, MPT's Wqkv, Baichuan's W_pack, torch's in_proj)
+FUSED = ("qkv", "c_attn", "query_key_value", "w_pack", "in_proj")
+
+
 # attributes that count an attention layer's heads: nanoGPT's and the template's n_head, torch's MultiheadAttention
 # and Hugging Face's num_heads
 HEADS = ("n_head", "num_heads", "n_heads")
 
 
+def fused(name: str, layer) -> bool:
+    """A q/k/v projection in one Linear: by its name, or an attention layer with three times its width out."""
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return any(f in leaf for f in FUSED) or ("attn" in name.lower() and layer.out_features == 3 * layer.in_features)
+
+
+def has_submodule(module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+# /feature: tensor
 def without_plan(model: DictConfig) -> DictConfig:
     """The model config as its module takes it: `parallel` is the strategy's (ModelParallel applies it after the
     module's configure_model), unless the module asks for it."""
@@ -274,20 +306,6 @@ def without_plan(model: DictConfig) -> DictConfig:
     with open_dict(model):
         model.pop("parallel", None)
     return model
-
-
-def fused(name: str, layer) -> bool:
-    """A q/k/v projection in one Linear: by its name, or an attention layer with three times its width out."""
-    leaf = name.rsplit(".", 1)[-1].lower()
-    return any(f in leaf for f in FUSED) or ("attn" in name.lower() and layer.out_features == 3 * layer.in_features)
-
-
-def has_submodule(module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def repeats(model, module) -> bool:

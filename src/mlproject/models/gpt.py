@@ -1,11 +1,11 @@
 """The LightningModule for next-token prediction with the GPT of models/components/gpt.py.
 
-Like the Classifier it takes plain dicts. The config's `parallel` plan, which says how strategy=fsdp|hsdp|tp|
-fsdp_tp|pp split the network, goes to the strategy, not here (distributed/parallel.py); `compile` compiles the
-network (never this module), per block where it is sharded. With mixture-of-experts MLPs (model=gpt_moe),
-`aux_loss_weights` weighs the routers' auxiliary losses (summed over layers) into the training loss, and each
-expert's share of the routed tokens is logged per layer (train/moe/load/layer<i>/expert<e>, over the global
-batch).
+Like the Classifier it takes plain dicts. The config's `parallel` plan, which says how the model-parallel
+strategies (fsdp, hsdp, ...) split the network, goes to the strategy, not here (distributed/parallel.py);
+`compile` compiles the network (never this module), per block where it is sharded. With mixture-of-experts
+MLPs (model=gpt_moe), `aux_loss_weights` weighs the routers' auxiliary losses (summed over layers) into the
+training loss, and each expert's share of the routed tokens is logged per layer
+(train/moe/load/layer<i>/expert<e>, over the global batch).
 """
 
 from __future__ import annotations

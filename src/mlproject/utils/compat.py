@@ -46,17 +46,19 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def mesh_unflatten(mesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]):
-    """Split dimension `dim` of a DeviceMesh into named ones (expert parallelism inside the FSDP dimension).
-    DeviceMesh has no public split or flatten yet (pytorch#169381 discusses their future)."""
-    return mesh._unflatten(dim, sizes, names)
-
-
 def mesh_flatten(mesh, name: str):
-    """One named dimension spanning all of `mesh`'s (the data-parallel group of an HSDP mesh)."""
+    """One named dimension spanning all of `mesh`'s (the data-parallel group of an HSDP mesh). DeviceMesh has
+    no public flatten or split yet (pytorch#169381 discusses their future)."""
     return mesh._flatten(name)
 
 
+# feature: expert
+def mesh_unflatten(mesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """Split dimension `dim` of a DeviceMesh into named ones (expert parallelism inside the FSDP dimension)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+# /feature: expert
 def activation_checkpoint(block: torch.nn.Module) -> None:
     """Recompute `block`'s activations in backward. The composable form keeps module names and state-dict
     keys (a wrapper module would add `_checkpoint_wrapped_module.`); torch has it under _composable only."""

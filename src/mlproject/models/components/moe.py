@@ -46,36 +46,30 @@ def _tokens_per_expert(chosen: torch.Tensor, n_expert: int) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """n_expert two-layer GELU MLPs, each weight stacked over experts (dim 0), so that expert parallelism splits
-    them by expert (distributed/parallel.apply_ep). With `ep_group` set, each expert lives on one rank of the
-    group: tokens travel to their expert's rank and back with all-to-all."""
+    """n_expert two-layer GELU MLPs, each weight stacked over experts (dim 0)."""
 
+    # feature: expert
+    # Stacked so that expert parallelism splits them by expert (distributed/parallel.apply_ep). With `ep_group`
+    # set, each expert lives on one rank of the group: tokens travel to their expert's rank and back with
+    # all-to-all.
+    # /feature: expert
     def __init__(self, n_expert: int, n_embd: int, hidden: int):
         super().__init__()
         self.fc_weight = nn.Parameter(torch.randn(n_expert, n_embd, hidden) * 0.02)
         self.proj_weight = nn.Parameter(torch.randn(n_expert, hidden, n_embd) * 0.02)  # GPT rescales it by depth
+        # feature: expert
         self.ep_group = None
+        # /feature: expert
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: token rows sorted by expert; counts: rows per expert (all n_expert of them)."""
-        if self.ep_group is None:
-            return self._run(x, counts)
-        return self._expert_parallel(x, counts)
+        # feature: expert
+        if self.ep_group is not None:
+            return self._expert_parallel(x, counts)
+        # /feature: expert
+        return self._run(x, counts)
 
-    def _run(self, x: torch.Tensor, counts: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
-        # every expert's weights take part, with no rows too, so every rank's gradients have the same structure
-        fc, proj = (_ScaleGrad.apply(_local(w), grad_scale) for w in (self.fc_weight, self.proj_weight))
-        autocast = not x.is_meta and torch.is_autocast_enabled(x.device.type)  # meta tensors: no autocast
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-        if dtype == torch.bfloat16 and x.size(-1) % 8 == 0:  # grouped GEMMs take bf16 rows of 16-byte multiples
-            # One grouped GEMM per layer over the experts' row blocks, delimited on the device: no host sync for
-            # the counts, no loop over experts, no graph break under compile.
-            offs = counts.to(x.device).cumsum(0).to(torch.int32)
-            hidden = F.gelu(F.grouped_mm(x.to(dtype), fc.to(dtype), offs=offs))
-            return F.grouped_mm(hidden, proj.to(dtype), offs=offs)
-        rows = x.split(counts.tolist())  # fp32 (grouped_mm has no fp32 kernel on GPU): a loop over experts
-        return torch.cat([F.gelu(r @ fc[e]) @ proj[e] for e, r in enumerate(rows)])
-
+    # feature: expert
     def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group = self.ep_group
         ep, local = dist.get_world_size(group), _local(self.fc_weight).shape[0]
@@ -94,6 +88,21 @@ class Experts(nn.Module):
         y = self._run(by_expert, received.sum(0), 1 / ep).split(received.t().flatten().tolist())
         y = torch.cat([y[e * ep + r] for r in range(ep) for e in range(local)])  # back to (source rank, expert)
         return exchange(y, send_splits, recv_splits, group)
+
+    # /feature: expert
+    def _run(self, x: torch.Tensor, counts: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        # every expert's weights take part, with no rows too, so every rank's gradients have the same structure
+        fc, proj = (_ScaleGrad.apply(_local(w), grad_scale) for w in (self.fc_weight, self.proj_weight))
+        autocast = not x.is_meta and torch.is_autocast_enabled(x.device.type)  # meta tensors: no autocast
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        if dtype == torch.bfloat16 and x.size(-1) % 8 == 0:  # grouped GEMMs take bf16 rows of 16-byte multiples
+            # One grouped GEMM per layer over the experts' row blocks, delimited on the device: no host sync for
+            # the counts, no loop over experts, no graph break under compile.
+            offs = counts.to(x.device).cumsum(0).to(torch.int32)
+            hidden = F.gelu(F.grouped_mm(x.to(dtype), fc.to(dtype), offs=offs))
+            return F.grouped_mm(hidden, proj.to(dtype), offs=offs)
+        rows = x.split(counts.tolist())  # fp32 (grouped_mm has no fp32 kernel on GPU): a loop over experts
+        return torch.cat([F.gelu(r @ fc[e]) @ proj[e] for e, r in enumerate(rows)])
 
 
 class MoE(nn.Module):
@@ -140,9 +149,13 @@ class MoE(nn.Module):
         }
 
 
+# feature: expert
 def exchange(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
     """All-to-all of `x`'s rows (send_splits[r] of them to rank r), differentiable: backward sends back."""
     from torch.distributed.nn.functional import all_to_all_single
 
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     return all_to_all_single(out, x, recv_splits, send_splits, group=group)
+
+
+# /feature: expert
