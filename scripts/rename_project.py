@@ -222,7 +222,7 @@ FEATURES = {
         paths=("configs/strategy/tp.yaml", "configs/strategy/fsdp_tp.yaml"),
     ),
     "expert": Feature(  # strategy.expert_parallel_size: an MoE layer's experts split over the ranks of a shard group
-        paths=(),
+        paths=("src/{pkg}/distributed/experts.py",),
     ),
     "pipeline": Feature(  # strategy=pp: the model's blocks split into stages over groups of ranks, on a schedule
         paths=("src/{pkg}/distributed/pipeline.py", "configs/strategy/pp.yaml", "tests/distributed/test_pipeline.py"),

@@ -13,7 +13,8 @@ after its `configure_model` by the model's plan from config (model.parallel): wh
 # forward and one backward).
 # /feature: tensor
 # feature: expert
-# Expert parallelism: the plan's `experts` modules are split over the inner part of each shard group.
+# Expert parallelism: the plan's `experts` modules are split over the inner part of each shard group
+# (distributed/experts.py).
 # /feature: expert
 
 from __future__ import annotations
@@ -476,20 +477,6 @@ def apply_tp(model: nn.Module, mesh, blocks: list[str], colwise: list[str], roww
 
 
 # /feature: tensor
-# feature: expert
-def apply_ep(model: nn.Module, mesh, experts: list[str]) -> None:
-    """Split each expert module's parameters (stacked experts first: shape (experts, ...)) over the
-    expert-parallel mesh; the module dispatches its tokens to their experts' ranks with all-to-all itself
-    (`ep_group`, models/components/moe.py)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    for module in blocks_of(model, experts):
-        for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
-        module.ep_group = mesh.get_group()
-
-
-# /feature: expert
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -542,8 +529,10 @@ def shard(net: nn.Module, meshes: dict, fsdp: dict | None, plan: dict, compile: 
     experts = {}  # apply_fsdp's arguments for expert modules
     # feature: expert
     if meshes["expert_parallel"].size() > 1:
+        from mlproject.distributed.experts import apply_ep
+
         experts = {"experts": list(plan.get("experts") or ()), "expert_mesh": meshes["expert_fsdp"]}
-        apply_ep(net, meshes["expert_parallel"], experts["experts"])
+        apply_ep(blocks_of(net, experts["experts"]), meshes["expert_parallel"])
     # /feature: expert
     if settings.pop("activation_checkpointing", False):
         apply_ac(net, blocks)

@@ -49,7 +49,7 @@ class Experts(nn.Module):
     """n_expert two-layer GELU MLPs, each weight stacked over experts (dim 0)."""
 
     # feature: expert
-    # Stacked so that expert parallelism splits them by expert (distributed/parallel.apply_ep). With `ep_group`
+    # Stacked so that expert parallelism splits them by expert (distributed/experts.py). With `ep_group`
     # set, each expert lives on one rank of the group: tokens travel to their expert's rank and back with
     # all-to-all.
     # /feature: expert
