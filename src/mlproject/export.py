@@ -1,6 +1,6 @@
 """Export a checkpoint: `python -m mlproject.export ckpt_path=... out=model.pt`.
 
-Any checkpoint this template writes (a single file from single/ddp, a sharded directory from fsdp/tp: any
+Any checkpoint this template writes (a single file from single/ddp, a sharded directory from fsdp, hsdp, ...: any
 format of checkpoint/convert.py) becomes one file `{"state_dict": <the bare network's weights>, "config": <the run's
 resolved config>}` that needs neither Lightning nor this package to read:
 

@@ -3,9 +3,9 @@ and validation and test evaluate the EMA instead of the raw weights.
 
 The averages are buffers of a submodule `ema` of the LightningModule, keyed like the parameters they follow
 (`ema.net.head.weight` for `net.head.weight`). So every checkpoint path of the template carries them as it
-carries the weights: single files, torch.distributed.checkpoint directories under fsdp/tp (where each is a
-clone of its DTensor parameter, sharded exactly like it), conversion across strategies and world sizes
-(checkpoint/convert.py), and eval and export, which take the EMA in place of the raw weights.
+carries the weights: single files, torch.distributed.checkpoint directories under model-parallel strategies
+(where each is a clone of its DTensor parameter, sharded exactly like it), conversion across strategies and
+world sizes (checkpoint/convert.py), and eval and export, which take the EMA in place of the raw weights.
 Buffers are not averaged (BatchNorm keeps its running statistics), and an average has its parameter's dtype.
 """
 
@@ -38,7 +38,7 @@ class EMA(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         # The averages must exist before Lightning restores a checkpoint into the module, laid out like the
         # parameters. Single and ddp restore before the strategy's setup, with the parameters final already;
-        # fsdp and tp shard in configure_model and restore after setup: there on_fit_start makes them.
+        # model-parallel strategies shard in configure_model and restore after setup: there on_fit_start makes them.
         # feature: deepspeed
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -49,8 +49,8 @@ class EMA(Callback):
             self._attach(pl_module)
         elif stage != "fit" and not has_child(pl_module, "ema"):
             raise ConfigError(
-                "callbacks.ema: under fsdp/tp the EMA is made when fitting; evaluate a checkpoint with "
-                "`python -m mlproject.eval`, which tests its EMA weights"
+                "callbacks.ema: under a model-parallel strategy the EMA is made when fitting; evaluate a checkpoint "
+                "with `python -m mlproject.eval`, which tests its EMA weights"
             )
 
     def on_fit_start(self, trainer, pl_module) -> None:

@@ -1,6 +1,6 @@
 """Read any checkpoint this template writes into one in-memory Lightning checkpoint with full tensors.
 
-Formats (checkpoint_format): a single file (single, ddp; `torch.save` zip), a sharded directory (fsdp, tp:
+Formats (checkpoint_format): a single file (single, ddp; `torch.save` zip), a sharded directory (fsdp, hsdp, ...:
 torch.distributed.checkpoint shards + Lightning's meta.pt), and any other folder of FOLDERS.
 
 Every pickle of a checkpoint is read with `weights_only=True` (tensors, plain containers and a few allowlisted

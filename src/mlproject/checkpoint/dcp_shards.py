@@ -1,4 +1,4 @@
-"""A torch.distributed.checkpoint directory (fsdp, hsdp, tp, pp: Lightning's ModelParallelStrategy saves
+"""A torch.distributed.checkpoint directory (fsdp, hsdp, ...: Lightning's ModelParallelStrategy saves
 "state_dict" and "optimizer_0" keyed by parameter name, plus the rest in meta.pt) read by parameter and element
 range in one process, so that a rank of another strategy reads only the stored chunks that overlap what it will
 hold: DCP's own resharding (create_read_items_for_chunk_list) for the rows that cover the range.

@@ -179,7 +179,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.dirpath and object_storage.is_remote(self.dirpath):
             object_storage.check_strategy(self.dirpath, trainer.strategy)
         # /feature: object_storage
-        if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, tp, pp)
+        if self.async_save is None:  # on where measured safe and worth it: DCP shards (fsdp, hsdp, ...)
             self.async_save = isinstance(trainer.strategy, ModelParallelStrategy)
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
             # feature: deepspeed

@@ -92,9 +92,9 @@ class Signals(L.Callback):
         self._losses = torch.zeros(self.every_n_steps, device=device)
         self._last_step = self._checked_step = trainer.global_step  # a resumed run starts at its checkpoint
         self._mark, self._busy, self._batches = None, 0.0, 0
-        # Sharded parameters (fsdp, tp): each rank sees only its part of the gradients, where a NaN may not be, and
-        # ranks deciding alone would apply a partial step. With skip_nonfinite they agree in one small all-reduce a
-        # step (DDP's gradients are whole on every rank: none there).
+        # Sharded parameters (fsdp, hsdp, ...): each rank sees only its part of the gradients, where a NaN may not
+        # be, and ranks deciding alone would apply a partial step. With skip_nonfinite they agree in one small
+        # all-reduce a step (DDP's gradients are whole on every rank: none there).
         distributed = dist.is_available() and dist.is_initialized()
         self._sharded = distributed and any(hasattr(p, "to_local") for p in pl_module.parameters())
         # feature: pipeline

@@ -59,8 +59,8 @@ def deepspeed(stage: int = 2, offload: bool = False, timeout: float = 1800, **kw
 
 # /feature: deepspeed
 def model_parallel(timeout: float = 1800, **degrees):
-    """FSDP2 (HSDP with replicate_size > 1), tensor and expert parallelism, applied by the model's configure_model
-    (distributed/parallel.py). `degrees`: ModelParallel's arguments."""
+    """FSDP2 (HSDP with replicate_size > 1) and the other parallelisms of the model's plan, applied after the
+    module's configure_model (distributed/parallel.py). `degrees`: ModelParallel's arguments."""
     # feature: pipeline
     # and pipeline parallelism: the blocks split into stages over groups of ranks (distributed/pipeline.py)
     # /feature: pipeline
