@@ -106,6 +106,8 @@ EXAMPLES = {
             "model_config": "model/digits.yaml",
             "experiment_file": "experiment/digits.yaml",
             "experiment": "experiment=digits",
+            "search": "hparams_search=digits",
+            "search_file": "hparams_search/digits.yaml",
         },
     ),
     "gpt": Example(
@@ -148,6 +150,8 @@ EXAMPLES = {
             "model_config": "model/gpt.yaml",
             "experiment_file": "experiment/gpt.yaml",
             "experiment": "experiment=gpt",
+            "search": "hparams_search=gpt",
+            "search_file": "hparams_search/gpt.yaml",
         },
         extras=("tokens",),
     ),
@@ -163,7 +167,8 @@ class Feature:
 
 # What a project may leave out. Code, configs, tests and docs that several features share mark a feature's lines
 # with whole-line comments, `# feature: NAME` ... `# /feature: NAME` (`<!-- ... -->` in Markdown; `NAME, NAME`:
-# kept when either is): a left-out feature's lines go, a kept one's markers go. Nothing the template runs reads them.
+# kept when either is; an example's name marks what only that example's docs say): a left-out feature's lines go, a
+# kept one's markers go. Nothing the template runs reads them.
 FEATURES = {
     "slurm": Feature(
         paths=(
@@ -336,9 +341,27 @@ def retell(root: Path, kept: list[str]) -> None:
     for path in project_files(root):
         if path.suffix in (".md", ".yaml"):
             text = path.read_text()
-            for phrase in sorted(phrases, key=len, reverse=True):
-                text = text.replace(phrase, phrases[phrase])
+            for phrase in sorted(phrases, key=len, reverse=True):  # whole phrases: not gpt of `experiment=gpt_124m`
+                text = re.sub(rf"{re.escape(phrase)}(?![\w-])", lambda _, p=phrase: phrases[p], text)
             path.write_text(text)
+
+
+TABLE_REFERENCE = re.compile(r"([,;] )?`([^`\s:]+)(::[^`]*)?`")
+
+
+def prune_table_references(root: Path, removed: set[str]) -> None:
+    """In Markdown tables, a cell's `file` reference to a file this step removed goes with it (a whole-line marker
+    would end the table); a cell left empty reads "-"."""
+    names = removed | {Path(rel).name for rel in removed}
+    for path in project_files(root):
+        if path.suffix != ".md":
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            pruned = TABLE_REFERENCE.sub(lambda m: "" if m.group(2) in names else m.group(0), line)
+            if line.startswith("|") and pruned != line:
+                lines[i] = re.sub(r"\|(\s*\|)", r"| -\1", re.sub(r"\| [,;] ", "| ", pruned))
+        path.write_text("".join(lines))
 
 
 def kept_features(keep: list[str]) -> list[str]:
@@ -349,7 +372,7 @@ def kept_features(keep: list[str]) -> list[str]:
 
 
 def keep_feature_lines(text: str, kept: list[str], where: str) -> str:
-    """`text` without the lines marked for a left-out feature, and without the markers."""
+    """`text` without the lines marked for a left-out feature or example, and without the markers."""
     lines, open_blocks = [], []
     for n, line in enumerate(text.splitlines(keepends=True), 1):
         marker = MARKER.match(line)
@@ -358,8 +381,10 @@ def keep_feature_lines(text: str, kept: list[str], where: str) -> str:
                 lines.append(line)
             continue
         names = [name.strip() for name in marker.group(2).split(",")]
-        if unknown := sorted(set(names) - set(FEATURES)):
-            fail(f"{where}:{n}: unknown feature {', '.join(unknown)} (FEATURES in scripts/rename_project.py)")
+        if unknown := sorted(set(names) - set(FEATURES) - set(EXAMPLES)):
+            fail(
+                f"{where}:{n}: unknown feature {', '.join(unknown)} (FEATURES or EXAMPLES in scripts/rename_project.py)"
+            )
         if not marker.group(1):
             open_blocks.append(names)
         elif not open_blocks or open_blocks.pop() != names:
@@ -381,7 +406,7 @@ def drop_features(root: Path, pkg: str, kept: list[str], examples: list[str]) ->
         data = path.read_bytes()
         if b"feature:" in data and b"\0" not in data:
             text = data.decode()
-            if (kept_text := keep_feature_lines(text, kept, str(path.relative_to(root)))) != text:
+            if (kept_text := keep_feature_lines(text, kept + examples, str(path.relative_to(root)))) != text:
                 path.write_text(kept_text)
             if not kept_text.strip():  # every line marked (e.g. what two features share): it goes with them
                 path.unlink()
@@ -500,8 +525,10 @@ def main(argv: list[str] | None = None) -> None:
     strip_template_only(root)
     if old is not None:
         rename(root, old, new)
+    before = {str(p.relative_to(root)) for p in project_files(root)}
     drop_examples(root, new, kept)
     drop_features(root, new, features, kept)
+    prune_table_references(root, before - {str(p.relative_to(root)) for p in project_files(root)})
     retell(root, kept)
     set_metadata(root, args.project_name, args.description, args.author, args.license)
     chosen = f"examples {', '.join(kept)}, features {', '.join(features) or 'none'}"

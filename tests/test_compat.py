@@ -105,8 +105,11 @@ def test_exit_now_runs_the_exit_hooks_and_skips_teardown():
 
 @pytest.fixture
 def fake_world():
+    """8 ranks whose collectives move no data: torch's fake backend, which only its testing module registers."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     assert not dist.is_initialized()
-    compat.fake_process_group(world_size=8, rank=1)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=8)
     try:
         yield
     finally:
@@ -130,11 +133,21 @@ def test_fake_process_group_and_mesh_algebra(fake_world):
     assert compat.local_shape_and_offset((10, 3), root["shard"], [Shard(0)]) == ((3, 3), (3, 0))
 
 
+# feature: planner
+def test_fake_process_group():
+    compat.fake_process_group(world_size=8, rank=1)
+    try:
+        assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 8, 1)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_view_base():
     t = torch.empty(4, 4, device="meta")
     assert compat.view_base(t[1:]) is t and compat.view_base(t) is t and compat.view_base(t.t()) is t
 
 
+# /feature: planner
 def test_activation_checkpoint_keeps_names_and_gradients():
     torch.manual_seed(0)
     plain, recomputed = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.Tanh())

@@ -375,7 +375,8 @@ def test_a_gpt_only_project_configs_never_mention_digits(tmp_path):
     assert not mentions
 
 
-# What a project without the feature never mentions in src/ and configs/: its code, options and comments.
+# What a project without the feature never mentions in src/, configs/, docs/ and README.md: its code, options,
+# comments and prose.
 WORDS = {
     "slurm": r"slurm",  # submitit stays with sweeps: its local launcher runs trials in parallel
     "kubernetes": r"kubernetes|kubeflow|trainjob",
@@ -391,11 +392,11 @@ WORDS = {
 }
 
 
-def mentions(root: Path, pattern: str, folders=("src", "configs")) -> list[str]:
+def mentions(root: Path, pattern: str, folders=("src", "configs", "docs", "README.md")) -> list[str]:
     return [
         f"{path.relative_to(root)}:{n}: {line.strip()}"
         for folder in folders
-        for path in sorted((root / folder).rglob("*"))
+        for path in sorted((root / folder).rglob("*") if (root / folder).is_dir() else [root / folder])
         if path.is_file() and path.suffix in (".py", ".yaml", ".md")
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(pattern, line, re.I)
@@ -461,7 +462,7 @@ def test_a_left_out_feature_leaves_nothing_behind(without_feature):
     env = clean_env(PYTHONPATH=str(root / "src"))
     sh(sys.executable, "-m", "ruff", "check", "--no-cache", ".", cwd=root, env=env)
     sh(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".", cwd=root, env=env)
-    project_tests(root, "-q", "tests/test_lock.py", "tests/test_layers.py")
+    project_tests(root, "-q", "tests/test_lock.py", "tests/test_layers.py", "tests/test_docs.py")
     needed = {extra for name, f in rename_project.FEATURES.items() if name != feature for extra in f.extras}
     pyproject = (root / "pyproject.toml").read_text()
     for extra in set(rename_project.FEATURES[feature].extras) - needed:
@@ -511,4 +512,4 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
     for name, feature in rename_project.FEATURES.items():
         assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
     assert not (root / ".github/workflows/projects.yml").exists()
-    project_tests(root, "-q", "tests/test_lock.py")
+    project_tests(root, "-q", "tests/test_lock.py", "tests/test_docs.py")

@@ -31,6 +31,7 @@ def exit_now(code: int = 0) -> None:
 # --- torch ----------------------------------------------------------------------------------------------
 
 
+# feature: planner
 def fake_process_group(world_size: int, rank: int) -> None:
     """A process group of `world_size` ranks whose collectives move no data (a dry run of N ranks' sharding).
     The "fake" backend is registered by torch's testing module, its only home in torch 2.13."""
@@ -46,6 +47,7 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
+# /feature: planner
 def mesh_flatten(mesh, name: str):
     """One named dimension spanning all of `mesh`'s (the data-parallel group of an HSDP mesh). DeviceMesh has
     no public flatten or split yet (pytorch#169381 discusses their future)."""
