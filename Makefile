@@ -144,7 +144,7 @@ submit-dryrun: install ## print the job (the scheduler's script or manifest) `ma
 # /feature: slurm, kubernetes
 
 .PHONY: rename
-rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=digits] [FEATURES=wandb] (see README)
+rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=...] [FEATURES=...] (scripts/rename_project.py --help)
 	@test -n "$(NAME)" || { echo "error: give the package name, e.g. make rename NAME=my_project" >&2; exit 2; }
 	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES)) $(if $(filter command line,$(origin FEATURES)),--features=$(FEATURES))
 
