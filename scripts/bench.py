@@ -1,10 +1,10 @@
 """Training throughput of the template against a plain PyTorch loop and against the same LightningModule in a
 bare Lightning `Trainer`: same model, data, batch, optimizer.
 
-    python scripts/bench.py                 # digits CNN: single process and ddp with 2 processes, on CPU
-    python scripts/bench.py --worlds 1 --epochs 8 model.net.channels=96 data.batch_size=256
-    python scripts/bench.py --example gpt --epochs 3 --steps 20
-    python scripts/bench.py --device cuda --example gpt --worlds 1 --epochs 3 --steps 30 experiment=gpt_124m
+    python scripts/bench.py                 # the first example: single process and ddp with 2 processes, on CPU
+    python scripts/bench.py --worlds 1 --epochs 8 data.batch_size=256
+    python scripts/bench.py --example <name> --epochs 3 --steps 20   # another example (--help lists them)
+    python scripts/bench.py --device cuda --worlds 1 --epochs 3 --steps 30 experiment=<recipe>
 
 Each side runs as its own fresh process (or one per rank: gloo on CPU, nccl on GPUs), so startup is
 measured the same way: from the launch of the command to the end of the first optimizer step. Steady-state
@@ -38,7 +38,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = {"digits": [], "gpt": ["experiment=gpt"]}  # overrides selecting each example's model and data
+EXAMPLES = {  # overrides selecting each example's model and data
+    # feature: digits
+    "digits": [],  # the default config
+    # /feature: digits
+    # feature: gpt
+    "gpt": ["experiment=gpt"],
+    # /feature: gpt
+}
 
 
 class StepClock:
@@ -352,7 +359,9 @@ def print_gpu_table(rows, peak: float | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--example", choices=sorted(EXAMPLES), default="digits", help="model and data to train")
+    parser.add_argument(
+        "--example", choices=sorted(EXAMPLES), default=next(iter(EXAMPLES)), help="model and data to train"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides train")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="process counts to compare")
     parser.add_argument("--epochs", type=int, default=6, help="epochs per run")

@@ -88,7 +88,6 @@ EXAMPLES = {
             "tests/distributed/test_ddp.py",
             "tests/distributed/test_deepspeed.py",
             "tests/distributed/test_fsdp_any_model.py",  # FSDP/HSDP without a plan, with SyncBN, on the digits CNN
-            "scripts/bench.py",  # template vs plain loop on the digits CNN
             "notebooks/inspect_run.ipynb",  # confusion matrix of a classifier run
             "tests/test_notebook.py",
             "tests/test_lr_schedule.py",  # the LR schedule of a real digits run
@@ -138,6 +137,8 @@ EXAMPLES = {
             "tests/distributed/test_transformer_moves_in.py",  # a nanoGPT-shaped project on the GPT's text data
             "tests/fixtures/nanogpt",
             "notebooks/*gpt*",
+            "scripts/gpu_check.py",  # every strategy on the GPUs, on the GPT's recipes
+            "benchmarks/checkpoint_blocking.py",  # how long a save holds the loop, on the GPT
             *BOTH,
         ),
         defaults={"data": "text", "model": "gpt"},
