@@ -104,9 +104,9 @@ def preempt(slurm, job: str) -> tuple[str, str]:
     return wait_requeued_and_done(slurm, job), slurm.wait(high)
 
 
-# Slow steps, each checked for signals: a signal sent during training is honoured at the next step
-SLOW = ["+callbacks.slow._target_=tests.helpers.callbacks.SlowSteps", "+callbacks.slow.seconds=0.5"]
-SLOW += ["cluster.signal_check_every_n_steps=1"]
+# Training held after its first step until the signal arrives (a window of a few seconds was missed under load),
+# every step checked for signals: the signal is honoured at the next step
+HELD = ["+callbacks.hold._target_=tests.helpers.callbacks.UntilSignalled", "cluster.signal_check_every_n_steps=1"]
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -143,10 +143,10 @@ def jobs(slurm, tmp_path_factory):
         ids = {
             "one_node": submit(slurm, logs["one_node"], "cluster.tasks_per_node=2"),
             "two_nodes": submit(slurm, logs["two_nodes"], "cluster.nodes=2", "cluster.tasks_per_node=1"),
-            "time_limit": submit(slurm, logs["time_limit"], "cluster.tasks_per_node=2", *SLOW),
+            "time_limit": submit(slurm, logs["time_limit"], "cluster.tasks_per_node=2", *HELD),
             # alone on its node (conftest.py): the higher-priority job preempts this one only
             "preempted": submit(
-                slurm, logs["preempted"], "cluster.tasks_per_node=2", f"cluster.partition={LOW}", *SLOW
+                slurm, logs["preempted"], "cluster.tasks_per_node=2", f"cluster.partition={LOW}", *HELD
             ),
         }
         warned = pool.submit(warn_of_time_limit, slurm, ids["time_limit"])

@@ -78,6 +78,25 @@ class SlowSteps(Callback):
         time.sleep(self.seconds)
 
 
+class UntilSignalled(Callback):
+    """Hold a fresh run after its first training step until a signal reaches this rank (at most `timeout` s), so
+    that a signal sent once training runs arrives while it still runs however slowly the machine polls; a resumed
+    run (requeued after that signal) is not held."""
+
+    def __init__(self, timeout: float = 120):
+        self.timeout = timeout
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        from mlproject.cluster.requeue import Signals
+
+        if trainer.ckpt_path is not None or trainer.global_step != 1:
+            return
+        (signals,) = (c for c in trainer.callbacks if isinstance(c, Signals))
+        deadline = time.monotonic() + self.timeout
+        while not any(signals.received.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 class KillMidSave(Callback):
     """SIGKILL this process half-way through writing the checkpoint of optimizer step `step`.
 
