@@ -90,7 +90,10 @@ train: install ## train the default experiment; overrides bare or in ARGS: make 
 	$(no_dash_m)
 	$(PY) -m mlproject.train $(OVERRIDES)
 
-sweep: install ## a Hydra multirun, one run per combination: make sweep model.optimizer.lr=0.005,0.01 [hparams_search=...]
+# feature: sweeps
+# an Optuna study instead of every combination: make sweep hparams_search=digits
+# /feature: sweeps
+sweep: install ## a Hydra multirun, one run per combination: make sweep model.optimizer.lr=0.005,0.01
 	$(PY) -m mlproject.train --multirun $(OVERRIDES)
 
 # `~group` goals are Hydra deletions for the target before them (OVERRIDES passes them on), not files to make.

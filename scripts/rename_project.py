@@ -107,6 +107,8 @@ EXAMPLES = {
             "experiment": "experiment=digits",
             "search": "hparams_search=digits",
             "search_file": "hparams_search/digits.yaml",
+            "prepare": 'ARGS="data=images"',
+            "plan": 'ARGS="experiment=digits trainer.num_nodes=8"',
         },
     ),
     "gpt": Example(
@@ -153,6 +155,8 @@ EXAMPLES = {
             "experiment": "experiment=gpt",
             "search": "hparams_search=gpt",
             "search_file": "hparams_search/gpt.yaml",
+            "prepare": "ARGS=\"data=tokens data.source='texts/*.txt'\"",
+            "plan": 'ARGS="experiment=gpt_large trainer.num_nodes=8"',
         },
         extras=("tokens",),
     ),
@@ -336,11 +340,11 @@ def drop_examples(root: Path, pkg: str, kept: list[str]) -> None:
 
 
 def retell(root: Path, kept: list[str]) -> None:
-    """Prose (Markdown, config comments) names the kept default example where it named a dropped one."""
+    """Prose (Markdown, config comments, make's help) names the kept default example where it named a dropped one."""
     default = EXAMPLES[kept[0]].prose
     phrases = {p: default[k] for name, ex in EXAMPLES.items() if name not in kept for k, p in ex.prose.items()}
     for path in project_files(root):
-        if path.suffix in (".md", ".yaml"):
+        if path.suffix in (".md", ".yaml") or path.name == "Makefile":
             text = path.read_text()
             for phrase in sorted(phrases, key=len, reverse=True):  # whole phrases: not gpt of `experiment=gpt_124m`
                 text = re.sub(rf"{re.escape(phrase)}(?![\w-])", lambda _, p=phrase: phrases[p], text)

@@ -1,6 +1,6 @@
-"""README.md and docs/ name only what the project has: every `group=option` is a config of that group and every
-file they point at exists, in the template and in each project made from it (where a left-out feature's or
-example's paragraphs went with it)."""
+"""README.md, docs/ and make's help name only what the project has: every `group=option` is a config of that group
+and every file they point at exists, in the template and in each project made from it (where a left-out feature's
+or example's paragraphs went with it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from mlproject.core.constants import CONFIG_DIR, PROJECT_ROOT
 
-DOCS = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
+DOCS = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md")), PROJECT_ROOT / "Makefile"]
 GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
 # `strategy=fsdp`, `strategy=deepspeed_stage_{1,2,3}` or `_*`; not `trainer.devices=2`
 OPTION = re.compile(rf"(?<![\w./+-])({'|'.join(GROUPS)})=([A-Za-z_][\w-]*(?:\{{[\w,]+\}}|\*)?)")

@@ -34,6 +34,7 @@ CASES = {
         "'modle' is neither a config group nor a key; did you mean the group model? It has no option 'no_such'; "
         "its options: ",
     ),
+    "unknown top-level key": (["xyzzy=1"], "'xyzzy' is neither a config group nor a key; its keys: "),
     "unknown key": (["trainer.max_epoch=3"], "'trainer' has no key 'max_epoch'; did you mean trainer.max_epochs=3?"),
     "misspelled data key": (["data.batchsize=32"], "did you mean data.batch_size=32?"),
     "misspelled _target_": (
@@ -120,6 +121,9 @@ def test_bad_override_gives_one_line(case, tmp_path):
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert expected in lines[0]
+    if "its keys: " in expected:  # each once: the groups, then the composed config's other keys
+        keys = lines[0].split("its keys: ")[1].split(" (")[0].split(", ")
+        assert len(keys) == len(set(keys)) and {"model", "trainer", "seed"} <= set(keys), keys
     assert "Traceback" not in stderr
     assert not run_dirs(tmp_path)  # no run directory left behind
 

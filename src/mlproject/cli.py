@@ -79,7 +79,7 @@ def did_you_mean(exc: BaseException, config_name: str, argv: list[str]) -> Confi
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             node = compose(config_name, others)
         node = OmegaConf.select(node, parent) if parent else node
-        names += list(node.keys()) if isinstance(node, DictConfig) else []
+        names += [k for k in node if k not in names] if isinstance(node, DictConfig) else []
     except Exception:  # another mistake on the same line: Hydra reports it once this one is fixed
         pass
     where = f"'{parent}' has no key '{leaf}'" if parent else f"'{key}' is neither a config group nor a key"
