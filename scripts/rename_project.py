@@ -479,7 +479,8 @@ def strip_template_only(root: Path) -> None:
 
 
 def set_metadata(root: Path, project_name: str, description: str, author: str, license: str) -> None:
-    """pyproject's description, licence and authors; README's title."""
+    """pyproject's description, licence and authors; README's title, and the description under it (where the
+    template's introduction was)."""
 
     def toml(value: str) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -498,9 +499,15 @@ def set_metadata(root: Path, project_name: str, description: str, author: str, l
             text = re.sub(pattern, lambda _, line=line: line, text, count=1, flags=re.M)
     path.write_text(text)
     readme = root / "README.md"
-    if project_name and readme.exists():
-        text = re.sub(r"\A# .*$", lambda _: f"# {project_name}", readme.read_text(), count=1, flags=re.M)
-        readme.write_text(text)
+    if readme.exists():
+        text = readme.read_text()
+        if project_name:
+            text = re.sub(r"\A# .*$", lambda _: f"# {project_name}", text, count=1, flags=re.M)
+        title, _, rest = text.partition("\n\n")
+        rest = rest.lstrip("\n")  # the template's introduction (template-only) leaves a blank line
+        if description and not rest.startswith(description):
+            rest = f"{description}\n\n{rest}"
+        readme.write_text(f"{title}\n\n{rest}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -510,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--examples", default=",".join(EXAMPLES), help=f"comma-separated, of {', '.join(EXAMPLES)}")
     parser.add_argument("--features", default=",".join(FEATURES), help=f"comma-separated, of {', '.join(FEATURES)}")
     parser.add_argument("--project-name", default="", help="human-readable name: README title")
-    parser.add_argument("--description", default="", help="one line for pyproject.toml")
+    parser.add_argument("--description", default="", help="one line for pyproject.toml and under README's title")
     parser.add_argument("--author", default="", help="pyproject.toml's author")
     parser.add_argument("--license", default="", help="pyproject.toml's licence, e.g. MIT")
     args = parser.parse_args(argv)

@@ -123,6 +123,8 @@ def test_copier_renames_everything(copier_project):
     assert not any(rename_project.present(root, "cool_net", ex) for ex in dropped)
     readmes = [p for p in root.rglob("*.md") if "template-only" in p.read_text()]
     assert not readmes  # the README sections about starting a project from the template are gone
+    # the project's title and description where the template introduced itself
+    assert (root / "README.md").read_text().startswith('# Cool Net\n\nNets that are "cool" \\o/\n\n```bash\n')
     answers = (root / ".copier-answers.yml").read_text()
     assert "_commit: v1" in answers and "package_name: cool_net" in answers
     pyproject = (root / "pyproject.toml").read_text()
