@@ -21,6 +21,9 @@ DEV_LOCK    ?= $(LOCK:.lock=-dev.lock)
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 ARGS   ?=
+# A project that depends on the machinery as a package (scripts/rename_project.py --machinery=package) has its
+# wheel in vendor/ until you publish it to an index of yours: pip and uv look there too.
+VENDOR := $(if $(wildcard vendor/*.whl),--find-links vendor)
 # make test: pytest-xdist workers. Most tests run one single-threaded process at a time; 2 fill 2 cores.
 TEST_WORKERS ?= 2
 CKPT   ?=
@@ -31,7 +34,7 @@ OUT    ?= model.pt
 # On Linux the order comes from make's own arguments in /proc; elsewhere assignments come first (MAKEOVERRIDES
 # lists them last first), then deletions. ARGS is for what make would read as its own: options such as
 # `--multirun`, or `-m` (make takes -m as its own flag and ignores it). The shell splits ARGS.
-OURS      = VENV LOCK DEV_LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES FEATURES
+OURS      = VENV LOCK DEV_LOCK TORCH TORCH_INDEX ARGS TEST_WORKERS CKPT OUT NAME EXAMPLES FEATURES MACHINERY
 quote     = '$(subst ','\'',$(1))'
 reverse   = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 CLI_NAMES = $(filter-out $(OURS),$(foreach w,$(call reverse,$(MAKEOVERRIDES)),$(if $(findstring =,$(w)),$(firstword $(subst =, ,$(w))))))
@@ -52,7 +55,7 @@ help: ## show this help
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --require-hashes -r $(LOCK)
+	$(PY) -m pip install -q --require-hashes $(VENDOR) -r $(LOCK)
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) scripts/check_torch_family.py  # torchvision/torchaudio of another torch build: one line, not a traceback
 	touch $@
@@ -63,7 +66,7 @@ install: $(VENV)/.installed ## create .venv and install what running needs (LOCK
 # stamps are apart, and a venv with both is the dev one (installing the runtime lock there changes nothing).
 $(VENV)/.installed-dev: pyproject.toml $(DEV_LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --require-hashes -r $(DEV_LOCK)
+	$(PY) -m pip install -q --require-hashes $(VENDOR) -r $(DEV_LOCK)
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) scripts/check_torch_family.py
 	touch $@
@@ -77,7 +80,7 @@ install-dev: $(VENV)/.installed-dev ## what install does, plus the tools for dev
 # The dev lock is compiled with the runtime lock as a constraint: a package both hold gets the same pin.
 UV_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml - --generate-hashes --quiet --python $(PY) \
   --custom-compile-command "make lock" $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
-  $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --emit-index-url)
+  $(if $(TORCH_INDEX),--index $(TORCH_INDEX) --emit-index-url) $(VENDOR)
 lock: ## pin every dependency with its hashes into both locks, requirements.lock and requirements-dev.lock (see above)
 	@! grep -Eq '^ *"(torchvision|torchaudio)' pyproject.toml || test -n "$(TORCH_INDEX)$(PIP_FIND_LINKS)" || { echo \
 	  "error: torchvision/torchaudio must come from torch's index: make lock TORCH_INDEX=https://download.pytorch.org/whl/cpu (or .../cu128 with TORCH=torch==...+cu128)" >&2; exit 2; }
@@ -147,9 +150,9 @@ submit-dryrun: install ## print the job (the scheduler's script or manifest) `ma
 # /feature: slurm, kubernetes
 
 .PHONY: rename
-rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=...] [FEATURES=...] (scripts/rename_project.py --help)
+rename: ## turn a plain clone into your project: make rename NAME=my_project [EXAMPLES=...] [FEATURES=...] [MACHINERY=package] (scripts/rename_project.py --help)
 	@test -n "$(NAME)" || { echo "error: give the package name, e.g. make rename NAME=my_project" >&2; exit 2; }
-	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES)) $(if $(filter command line,$(origin FEATURES)),--features=$(FEATURES))
+	python3 scripts/rename_project.py $(NAME) $(if $(EXAMPLES),--examples=$(EXAMPLES)) $(if $(filter command line,$(origin FEATURES)),--features=$(FEATURES)) $(if $(MACHINERY),--machinery=$(MACHINERY))
 
 clean: ## remove logs, caches and build files (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf logs outputs multirun .pytest_cache .ruff_cache build src/*.egg-info

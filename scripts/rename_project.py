@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 # Not walked outside git: version control, environments, run outputs, caches, the old install's metadata.
@@ -249,6 +250,35 @@ FEATURES = {
         paths=("src/{pkg}/plan.py", "tests/test_plan.py", "tests/test_preflight_memory_gpt.py", "docs/planning.md"),
     ),
 }
+# --machinery=package: the project owns its models, data, configs and tests; the rest of src/ (train, eval, strategies,
+# checkpoints, ...) is the template's package, a pinned dependency as litgpt's and torchtitan's users have theirs,
+# proven by the template's own suite. It comes as a wheel in vendor/ (the locks find it there, by its hash) until
+# you publish it to an index of yours. --machinery=source keeps it all in src/, yours to edit, with its proofs.
+MACHINERY_MODES = ("source", "package")
+OWN = ("models", "data")  # of src/<package>/: what a package-mode project keeps
+VENDOR = "vendor"
+PROJECT_TESTS = (  # what proves the project, not the machinery: a package-mode project keeps these
+    "tests/__init__.py",
+    "tests/conftest.py",
+    "tests/helpers/**",
+    "tests/checkpoint/__init__.py",
+    "tests/checkpoint/helpers.py",  # train, kill and compare: the resume proofs below use them
+    "tests/fixtures/**",
+    "tests/data/**",  # the examples' data
+    "tests/gpu/**",  # make test-gpu, on the project's recipes
+    "tests/test_train.py",
+    "tests/test_configs.py",
+    "tests/test_docs.py",
+    "tests/test_errors.py",
+    "tests/test_add_your_own.py",  # a plain module and datamodule under every strategy, resumed, evaluated
+    "tests/test_readme.py",
+    "tests/test_first_day.py",
+    "tests/test_make.py",
+    "tests/test_lock.py",
+    "tests/test_ci.py",
+    "tests/test_lr_schedule.py",
+    "tests/test_notebook.py",
+)
 MARKER = re.compile(r"^[ \t]*(?:#|<!--)[ \t]*(/?)feature:[ \t]*([\w, ]+?)[ \t]*(?:-->)?[ \t]*$")
 LOCKS = "requirements*.lock"
 
@@ -303,6 +333,126 @@ def rename(root: Path, old: str, new: str) -> None:
         shutil.rmtree(path / "__pycache__", ignore_errors=True)
         if path.exists() and not any(path.iterdir()):
             path.rmdir()
+
+
+def build_machinery_wheel(root: Path, pkg: str, sweeps: bool) -> Path:
+    """src/<pkg>/ without the user's modules (OWN), and with sweeps the Hydra plugins, as a wheel in vendor/.
+
+    Standard library only (this runs before anything is installed) and byte-for-byte reproducible (sorted entries,
+    fixed times), so the locks' hash of it holds for every replay by `copier update`."""
+    import base64
+    import hashlib
+    import zipfile
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        fail("--machinery=package reads pyproject.toml with tomllib: run this with Python 3.11 or later")
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    requires = [f"Requires-Dist: {r}" for r in project["dependencies"]]
+    for extra, reqs in project.get("optional-dependencies", {}).items():
+        requires += [f"Provides-Extra: {extra}", *(f'Requires-Dist: {r}; extra == "{extra}"' for r in reqs)]
+    files = [
+        p for p in sorted((root / "src" / pkg).rglob("*.py")) if p.relative_to(root / "src" / pkg).parts[0] not in OWN
+    ]
+    files += [p for p in (root / "src").glob(f"hydra_plugins/{pkg}_*/*.py") if sweeps]
+    dist = f"{pkg}-{project['version']}.dist-info"
+    entries = [(str(p.relative_to(root / "src")), p.read_bytes()) for p in sorted(files)]
+    entries += [
+        (
+            f"{dist}/METADATA",
+            "\n".join(
+                [
+                    "Metadata-Version: 2.1",
+                    f"Name: {pkg}",
+                    f"Version: {project['version']}",
+                    f"Requires-Python: {project['requires-python']}",
+                    *requires,
+                    "",
+                ]
+            ).encode(),
+        ),
+        (f"{dist}/WHEEL", b"Wheel-Version: 1.0\nGenerator: rename_project\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
+    ]
+
+    def digest(data: bytes) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{name},sha256={digest(data)},{len(data)}\n" for name, data in entries) + f"{dist}/RECORD,,\n"
+    wheel = root / VENDOR / f"{pkg}-{project['version']}-py3-none-any.whl"
+    wheel.parent.mkdir(exist_ok=True)
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in [*entries, (f"{dist}/RECORD", record.encode())]:
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, data, zipfile.ZIP_DEFLATED)
+    return wheel
+
+
+def keep_own(root: Path, old: str, new: str) -> None:
+    """The package-mode rename: the user's modules (OWN) move to src/<new>/ and every reference to them follows;
+    the project's name changes in pyproject.toml and the locks; every other `old` names the machinery, which
+    keeps its name as a dependency. The machinery's source and tests leave the project."""
+    own = re.compile(rf"\b{old}(?=[./](?:{'|'.join(OWN)})\b|/(?![\w.]))")  # src/old/models..., src/old/ itself
+    for path in project_files(root):
+        rel = path.relative_to(root)
+        if path.is_symlink() or path.name == ANSWERS_FILE:
+            continue
+        if rel.parts[0] == "tests" and not any(rel.match(g) or fnmatch(str(rel), g) for g in PROJECT_TESTS):
+            path.unlink()
+            continue
+        if (
+            rel.parts[:2] == ("src", "hydra_plugins")
+            or (rel.parts[:2] == ("src", old) and len(rel.parts) > 3 and rel.parts[2] not in OWN)
+            or (rel.parts[:2] == ("src", old) and len(rel.parts) == 3 and rel.name != "__init__.py")
+        ):
+            path.unlink()
+            continue
+        data = path.read_bytes()
+        if b"\0" not in data and old.encode() in data:
+            with contextlib.suppress(UnicodeDecodeError):
+                text = data.decode()
+                if path.name == "pyproject.toml" or path.match(LOCKS):  # the project's own name
+                    text = re.sub(rf'^name = "{old}"', f'name = "{new}"', text, flags=re.M)
+                    text = text.replace(f'"{old}[', f'"{new}[').replace(
+                        f"{old} (pyproject.toml)", f"{new} (pyproject.toml)"
+                    )
+                path.write_text(own.sub(new, text))
+        if rel.parts[:2] == ("src", old):
+            target = root / "src" / new / Path(*rel.parts[2:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.replace(target)
+    for top in (root / "src" / old, root / "src" / "hydra_plugins", root / "tests"):
+        for folder in (
+            sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if top.exists() else ()
+        ):
+            shutil.rmtree(folder / "__pycache__", ignore_errors=True) if folder.name != "__pycache__" else None
+            if folder.exists() and not any(folder.iterdir()):
+                folder.rmdir()
+        if top.exists() and top != root / "tests" and not any(top.rglob("*.py")):
+            shutil.rmtree(top)
+
+
+def depend_on_machinery(root: Path, pkg: str, wheel: Path) -> None:
+    """pyproject.toml requires the machinery at its version, and each lock pins it by the wheel's hash (the Makefile
+    finds it in vendor/)."""
+    import hashlib
+
+    name, version = wheel.name.split("-")[:2]
+    pyproject = root / "pyproject.toml"
+    text = pyproject.read_text()
+    if f'"{name}==' not in text:
+        pin = f'    "{name}=={version}",  # the machinery: {VENDOR}/{wheel.name}, or your index once published\n'
+        pyproject.write_text(text.replace("dependencies = [\n", "dependencies = [\n" + pin, 1))
+    entry = f"{name}=={version} \\\n    --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}\n"
+    entry += f"    # via {pkg} (pyproject.toml)"
+    for lock in sorted(root.glob(LOCKS)):
+        lines = lock.read_text().rstrip("\n").split("\n")
+        header = [line for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))]]
+        body = "\n".join(lines[len(header) :])
+        blocks = [b for b in re.split(r"\n(?=[A-Za-z0-9])", body) if not b.startswith(f"{name}==")] + [entry]
+        blocks.sort(key=lambda b: canonical(b.split("==")[0]))
+        lock.write_text("\n".join([*header, *blocks]) + "\n")
 
 
 def present(root: Path, pkg: str, example: Example | Feature) -> bool:
@@ -386,7 +536,7 @@ def keep_feature_lines(text: str, kept: list[str], where: str) -> str:
                 lines.append(line)
             continue
         names = [name.strip() for name in marker.group(2).split(",")]
-        if unknown := sorted(set(names) - set(FEATURES) - set(EXAMPLES)):
+        if unknown := sorted(set(names) - set(FEATURES) - set(EXAMPLES) - set(MACHINERY_MODES)):
             fail(
                 f"{where}:{n}: unknown feature {', '.join(unknown)} (FEATURES or EXAMPLES in scripts/rename_project.py)"
             )
@@ -400,9 +550,9 @@ def keep_feature_lines(text: str, kept: list[str], where: str) -> str:
     return kept_text.rstrip("\n") + "\n" if text.endswith("\n") and kept_text.strip() else kept_text  # no blank tail
 
 
-def drop_features(root: Path, pkg: str, kept: list[str], examples: list[str]) -> None:
-    """Remove left-out features' files and marked lines, their (and dropped examples') pyproject extras and the
-    packages only those need."""
+def drop_features(root: Path, pkg: str, kept: list[str], examples: list[str], machinery: str = "source") -> None:
+    """Remove left-out features' files and marked lines (and those of the other machinery mode), their (and dropped
+    examples') pyproject extras and the packages only those need."""
     for name, feature in FEATURES.items():
         for pattern in feature.paths if name not in kept else ():
             for path in sorted(root.glob(pattern.format(pkg=pkg))):
@@ -411,7 +561,9 @@ def drop_features(root: Path, pkg: str, kept: list[str], examples: list[str]) ->
         data = path.read_bytes()
         if b"feature:" in data and b"\0" not in data:
             text = data.decode()
-            if (kept_text := keep_feature_lines(text, kept + examples, str(path.relative_to(root)))) != text:
+            if (
+                kept_text := keep_feature_lines(text, [*kept, *examples, machinery], str(path.relative_to(root)))
+            ) != text:
                 path.write_text(kept_text)
             if not kept_text.strip():  # every line marked (e.g. what two features share): it goes with them
                 path.unlink()
@@ -516,6 +668,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the project to change (default: here)")
     parser.add_argument("--examples", default=",".join(EXAMPLES), help=f"comma-separated, of {', '.join(EXAMPLES)}")
     parser.add_argument("--features", default=",".join(FEATURES), help=f"comma-separated, of {', '.join(FEATURES)}")
+    parser.add_argument(
+        "--machinery",
+        choices=MACHINERY_MODES,
+        default="source",
+        help="source: all of src/ stays yours to edit; package: keep models/ and data/, and depend on the rest",
+    )
     parser.add_argument("--project-name", default="", help="human-readable name: README title")
     parser.add_argument("--description", default="", help="one line for pyproject.toml and under README's title")
     parser.add_argument("--author", default="", help="pyproject.toml's author")
@@ -535,11 +693,15 @@ def main(argv: list[str] | None = None) -> None:
         path = root / rel
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     strip_template_only(root)
+    package = args.machinery == "package"
+    wheel = build_machinery_wheel(root, old, sweeps="sweeps" in features) if package and old is not None else None
     if old is not None:
-        rename(root, old, new)
+        (keep_own if package else rename)(root, old, new)
     before = {str(p.relative_to(root)) for p in project_files(root)}
     drop_examples(root, new, kept)
-    drop_features(root, new, features, kept)
+    drop_features(root, new, features, kept, args.machinery)
+    if wheel is not None:
+        depend_on_machinery(root, new, wheel)
     prune_table_references(root, before - {str(p.relative_to(root)) for p in project_files(root)})
     retell(root, kept)
     set_metadata(root, args.project_name, args.description, args.author, args.license)

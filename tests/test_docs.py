@@ -4,8 +4,10 @@ or example's paragraphs went with it)."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +18,14 @@ GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
 # `strategy=fsdp`, `strategy=deepspeed_stage_{1,2,3}` or `_*`; not `trainer.devices=2`
 OPTION = re.compile(rf"(?<![\w./+-])({'|'.join(GROUPS)})=([A-Za-z_][\w-]*(?:\{{[\w,]+\}}|\*)?)")
 FILE = re.compile(r"`([\w./-]+\.(?:py|yaml|md|ipynb|toml))`")
-# Where a named file may live: the project, its package, its configs and docs, and the LHT project that
+# The machinery's modules and the examples': in src/, or where the project depends on the machinery as a package
+# (scripts/rename_project.py --machinery=package), the machinery in that package and the examples in src/
+MACHINERY = Path(importlib.import_module("mlproject.core").__file__).parents[1]
+OWN = Path(importlib.import_module("mlproject.models").__file__).parents[1]
+PACKAGED = MACHINERY != OWN  # then the machinery's proofs (tests/...) are the template's suite
+# Where a named file may live: the project, its package(s), its configs and docs, and the LHT project that
 # docs/migrating.md moves in (tests/fixtures/lht).
-FOLDERS = ("", "src/mlproject", "configs", "docs", "tests/fixtures/lht", "tests/fixtures/lht/configs")
+FOLDERS = ("", str(MACHINERY), str(OWN), "configs", "docs", "tests/fixtures/lht", "tests/fixtures/lht/configs")
 # Files a run or the user writes, not the project: named in docs, never shipped.
 WRITTEN = {"configs/local/default.yaml"}
 
@@ -29,6 +36,9 @@ def expand(option: str) -> list[str]:  # deepspeed_stage_{1,2,3} -> deepspeed_st
 
 
 def exists(rel: str) -> bool:
+    if PACKAGED and (rel.startswith("tests/") or re.fullmatch(r"test_\w+\.py", rel)):
+        return True  # a proof of the machinery, in the template's suite
+    rel = rel.removeprefix(f"src/{MACHINERY.name}/") if PACKAGED else rel
     if "/" not in rel:  # a bare file name (`test_resume.py`): anywhere in the project
         return any(itertools.islice(PROJECT_ROOT.glob(f"[!.]*/**/{rel}"), 1)) or (PROJECT_ROOT / rel).exists()
     return rel in WRITTEN or any((PROJECT_ROOT / folder / rel).exists() for folder in FOLDERS)

@@ -98,14 +98,10 @@ def test_locks_cover_the_installs():
     both locks pin the CPU torch build; running targets install the runtime lock, developing ones the dev lock."""
     makefile = (PROJECT_ROOT / "Makefile").read_text()
     assert "LOCK        ?= requirements.lock" in makefile and "DEV_LOCK    ?= $(LOCK:.lock=-dev.lock)" in makefile
-    assert re.search(
-        r"^\$\(VENV\)/\.installed: pyproject\.toml \$\(LOCK\)\n.*\n.*--require-hashes -r \$\(LOCK\)\n", makefile, re.M
-    )
-    assert re.search(
-        r"^\$\(VENV\)/\.installed-dev: pyproject\.toml \$\(DEV_LOCK\)\n.*\n.*--require-hashes -r \$\(DEV_LOCK\)\n",
-        makefile,
-        re.M,
-    )
+    for stamp, lock in ((".installed", "LOCK"), (".installed-dev", "DEV_LOCK")):
+        install = rf"--require-hashes \$\(VENDOR\) -r \$\({lock}\)"
+        pattern = rf"^\$\(VENV\)/\{stamp}: pyproject\.toml \$\({lock}\)\n.*\n.*{install}\n"
+        assert re.search(pattern, makefile, re.M), stamp
     torch = Version(re.search(r"^TORCH\s+\?= torch==(\S+)", makefile, re.M).group(1))
     locks = ("requirements.lock", "requirements-dev.lock")
     assert {name: parse_lock(PROJECT_ROOT / name)[0]["torch"] for name in locks} == dict.fromkeys(locks, torch)

@@ -5,6 +5,7 @@ Everything is offline: the template is this working tree, committed into a tempo
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -14,6 +15,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+import zipfile
+from fnmatch import fnmatch
 from itertools import combinations
 from pathlib import Path
 
@@ -221,18 +224,23 @@ def test_copier_update_turns_a_feature_on_and_keeps_user_edits(template, tmp_pat
     sh("git", "init", "-q", "-b", "main", cwd=root, env=tool_env)
     sh("git", "add", "-A", cwd=root, env=tool_env)
     sh("git", "commit", "-qm", "start small", cwd=root, env=tool_env)
-    optim = root / "src/cool_net/training/optim.py"
-    optim.write_text(optim.read_text() + "# tuned for my data\n")
+    model = root / "src/cool_net/models/classifier.py"  # machinery=package: the machinery is a wheel in vendor/
+    model.write_text(model.read_text() + "# tuned for my data\n")
     sh("git", "commit", "-qam", "my edit", cwd=root, env=tool_env)
     assert not (root / "configs/hparams_search").exists()
 
     sh(sys.executable, "-m", "copier", "update", "--trust", "--defaults", "--data=sweeps=true", cwd=root, env=tool_env)
 
     assert "sweeps: true" in (root / ".copier-answers.yml").read_text()
-    assert (root / "configs/hparams_search/digits.yaml").is_file() and (root / "src/hydra_plugins").is_dir()
+    assert (root / "configs/hparams_search/digits.yaml").is_file()
+    (wheel,) = (root / "vendor").iterdir()
+    with zipfile.ZipFile(wheel) as zf:  # the study sweeper's Hydra plugin comes with the machinery
+        assert "hydra_plugins/mlproject_sweeper/study_sweeper.py" in zf.namelist()
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     assert re.search(r"^optuna = ", (root / "pyproject.toml").read_text(), re.M)
-    assert re.search(r"^optuna==", (root / "requirements.lock").read_text(), re.M)  # the lock comes along
-    assert optim.read_text().endswith("# tuned for my data\n")
+    for lock in ("requirements.lock", "requirements-dev.lock"):  # the locks come along, with the new wheel's hash
+        assert re.search(r"^optuna==", (root / lock).read_text(), re.M) and sha in (root / lock).read_text()
+    assert model.read_text().endswith("# tuned for my data\n")
     assert not sh("git", "diff", "--name-only", "--diff-filter=U", cwd=root, env=tool_env).stdout.split()
     assert not mentions(root, r"^\W*/?feature:", ("src", "configs", "tests", "docs"))
 
@@ -447,8 +455,9 @@ def without_feature(request, tmp_path_factory) -> tuple[Path, str]:
 
 
 def project_tests(root: Path, *args: str, timeout: int = 180) -> None:
-    """`pytest args...` of the generated project's own tests, run with its package."""
-    env = clean_env(PYTHONPATH=str(root / "src"))
+    """`pytest args...` of the generated project's own tests, run with its package (and this template's machinery
+    where the project depends on it as a package: the same code as its wheel, whose root is then the project's)."""
+    env = clean_env(PYTHONPATH=str(root / "src"), PROJECT_ROOT=str(root))
     sh(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, cwd=root, env=env, timeout=timeout)
 
 
@@ -515,3 +524,44 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
         assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
     assert not (root / ".github/workflows/projects.yml").exists()
     project_tests(root, "-q", "tests/test_lock.py", "tests/test_docs.py")
+
+
+def test_the_smallest_project_owns_its_models_and_data_and_depends_on_the_machinery(template, tmp_path, tool_env):
+    """preset=minimal: src/ holds the examples' models and data only; the rest is the template's package, a wheel in
+    vendor/ that both locks pin by its hash, built byte for byte the same on every replay (copier update); tests/
+    holds the project's own tests, which pass with it."""
+    root = copier_copy(template, tmp_path / "cool-net", tool_env, preset="minimal", examples=None)
+    assert yaml.safe_load((root / ".copier-answers.yml").read_text())["machinery"] == "package"
+    sources = sorted((root / "src").rglob("*.py"))
+    assert {p.relative_to(root / "src/cool_net").parts[0] for p in sources} == {"__init__.py", "models", "data"}
+    assert sum(len(p.read_text().splitlines()) for p in sources) <= 2000
+    assert not mentions(root, "|".join(WORDS.values()), ("src", "configs"))
+    tests = {str(p.relative_to(root)) for p in (root / "tests").rglob("*.py")}
+    assert all(any(fnmatch(t, g) for g in rename_project.PROJECT_TESTS) for t in tests)
+    assert "tests/test_train.py" in tests and "tests/test_add_your_own.py" in tests
+    (wheel,) = (root / "vendor").iterdir()
+    assert (
+        wheel.name == "mlproject-0.1.0-py3-none-any.whl"
+        and '"mlproject==0.1.0"' in (root / "pyproject.toml").read_text()
+    )
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    for lock in root.glob("requirements*.lock"):
+        assert f"mlproject==0.1.0 \\\n    --hash=sha256:{sha}\n" in lock.read_text(), lock.name
+    with zipfile.ZipFile(wheel) as zf:
+        names = {n for n in zf.namelist() if n.endswith(".py")}
+    machinery = rename_project.project_files(PROJECT_ROOT / "src" / OLD)
+    expected = {str(p.relative_to(PROJECT_ROOT / "src")) for p in machinery if p.suffix == ".py"}
+    assert names == {n for n in expected if n.split("/")[1] not in rename_project.OWN}
+    again = tmp_path / "again"
+    copy_tree(PROJECT_ROOT, again)
+    rename_project.main(["cool_net", f"--root={again}", "--examples=digits", "--features=", "--machinery=package"])
+    assert (again / "vendor" / wheel.name).read_bytes() == wheel.read_bytes()
+    # installs: the wheel's modules import from it, without the template's source on the path
+    target = tmp_path / "site"
+    sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel, cwd=tmp_path, env=tool_env)
+    code = "import mlproject.train, mlproject.core.constants as c; print(mlproject.train.__file__, c.PROJECT_ROOT)"
+    out = sh(
+        sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}", cwd=root, env=tool_env
+    )
+    assert out.stdout.split() == [str(target / "mlproject/train.py"), str(root)]
+    project_tests(root, "-q", "tests/test_lock.py", "tests/test_docs.py", "tests/test_configs.py")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[3]
+# This package's source tree (src/ in the project), or, where the package is installed as a dependency of a
+# project (scripts/rename_project.py --machinery=package), the project that runs it: $PROJECT_ROOT or here.
+_SOURCE = Path(__file__).resolve().parents[3]
+PROJECT_ROOT = Path(os.environ.get("PROJECT_ROOT") or (_SOURCE if (_SOURCE / "configs").is_dir() else ".")).resolve()
 CONFIG_DIR = PROJECT_ROOT / "configs"
 IGNORE_INDEX = -100  # target value that the GPT's loss skips
 # Exit codes of runs that every rank ends together at an agreed step (cluster/requeue.py); a launcher that

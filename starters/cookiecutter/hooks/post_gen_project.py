@@ -23,6 +23,7 @@ for src in project_files(TEMPLATE):
     dst = src.relative_to(TEMPLATE)
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src, dst)
-options = {key: ANSWERS[key] for key in ("examples", "features", "project_name", "description", "author", "license")}
+keys = ("examples", "features", "machinery", "project_name", "description", "author", "license")
+options = {key: ANSWERS[key] for key in keys}
 args = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
 subprocess.run([sys.executable, "scripts/rename_project.py", ANSWERS["package_name"], *args], check=True)
