@@ -398,14 +398,10 @@ def keep_own(root: Path, old: str, new: str) -> None:
         rel = path.relative_to(root)
         if path.is_symlink() or path.name == ANSWERS_FILE:
             continue
-        if rel.parts[0] == "tests" and not any(rel.match(g) or fnmatch(str(rel), g) for g in PROJECT_TESTS):
-            path.unlink()
-            continue
-        if (
-            rel.parts[:2] == ("src", "hydra_plugins")
-            or (rel.parts[:2] == ("src", old) and len(rel.parts) > 3 and rel.parts[2] not in OWN)
-            or (rel.parts[:2] == ("src", old) and len(rel.parts) == 3 and rel.name != "__init__.py")
-        ):
+        machinery = rel.parts[:2] == ("src", "hydra_plugins") or (
+            rel.parts[:2] == ("src", old) and rel.parts[2] not in (*OWN, "__init__.py")
+        )
+        if machinery or (rel.parts[0] == "tests" and not any(fnmatch(str(rel), g) for g in PROJECT_TESTS)):
             path.unlink()
             continue
         data = path.read_bytes()
@@ -422,15 +418,12 @@ def keep_own(root: Path, old: str, new: str) -> None:
             target = root / "src" / new / Path(*rel.parts[2:])
             target.parent.mkdir(parents=True, exist_ok=True)
             path.replace(target)
-    for top in (root / "src" / old, root / "src" / "hydra_plugins", root / "tests"):
-        for folder in (
-            sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if top.exists() else ()
-        ):
-            shutil.rmtree(folder / "__pycache__", ignore_errors=True) if folder.name != "__pycache__" else None
-            if folder.exists() and not any(folder.iterdir()):
+    for top in (root / "src" / old, root / "src" / "hydra_plugins", root / "tests"):  # the folders left empty
+        folders = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if top.exists() else []
+        for folder in [*folders, top]:
+            shutil.rmtree(folder / "__pycache__", ignore_errors=True)
+            if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
-        if top.exists() and top != root / "tests" and not any(top.rglob("*.py")):
-            shutil.rmtree(top)
 
 
 def depend_on_machinery(root: Path, pkg: str, wheel: Path) -> None:
@@ -448,7 +441,7 @@ def depend_on_machinery(root: Path, pkg: str, wheel: Path) -> None:
     entry += f"    # via {pkg} (pyproject.toml)"
     for lock in sorted(root.glob(LOCKS)):
         lines = lock.read_text().rstrip("\n").split("\n")
-        header = [line for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))]]
+        header = lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))]  # uv's comment
         body = "\n".join(lines[len(header) :])
         blocks = [b for b in re.split(r"\n(?=[A-Za-z0-9])", body) if not b.startswith(f"{name}==")] + [entry]
         blocks.sort(key=lambda b: canonical(b.split("==")[0]))
