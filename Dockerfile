@@ -18,10 +18,6 @@ WORKDIR /app
 
 # Dependencies first, in their own layer: rebuilt only when the lock changes.
 COPY ${LOCK} /tmp/requirements.lock
-# feature: package
-COPY vendor /tmp/vendor
-ENV PIP_FIND_LINKS=/tmp/vendor
-# /feature: package
 RUN python -m venv "$VIRTUAL_ENV" \
     && pip install --require-hashes --no-deps -r /tmp/requirements.lock \
     && rm /tmp/requirements.lock

@@ -439,6 +439,12 @@ def depend_on_machinery(root: Path, pkg: str, wheel: Path) -> None:
         pyproject.write_text(text.replace("dependencies = [\n", "dependencies = [\n" + pin, 1))
     entry = f"{name}=={version} \\\n    --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}\n"
     entry += f"    # via {pkg} (pyproject.toml)"
+    docker = root / "Dockerfile"  # the pods' image: the wheel is there before the lock is installed
+    install = "COPY ${LOCK} /tmp/requirements.lock\n"
+    if docker.exists() and install in (text := docker.read_text()) and VENDOR not in text:
+        docker.write_text(
+            text.replace(install, f"{install}COPY {VENDOR} /tmp/{VENDOR}\nENV PIP_FIND_LINKS=/tmp/{VENDOR}\n")
+        )
     for lock in sorted(root.glob(LOCKS)):
         lines = lock.read_text().rstrip("\n").split("\n")
         header = lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))]  # uv's comment

@@ -523,6 +523,9 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
     for name, feature in rename_project.FEATURES.items():
         assert rename_project.present(root, "cool_net", feature) == (name in chosen), name
     assert not (root / ".github/workflows/projects.yml").exists()
+    if (root / "vendor").exists() and (root / "Dockerfile").exists():  # the pods' image installs the machinery's wheel
+        assert "COPY vendor /tmp/vendor\nENV PIP_FIND_LINKS=/tmp/vendor\n" in (root / "Dockerfile").read_text()
+        assert "!vendor/" in (root / ".dockerignore").read_text()
     project_tests(root, "-q", "tests/test_lock.py", "tests/test_docs.py")
 
 
