@@ -356,8 +356,12 @@ def build_machinery_wheel(root: Path, pkg: str, sweeps: bool) -> Path:
         p for p in sorted((root / "src" / pkg).rglob("*.py")) if p.relative_to(root / "src" / pkg).parts[0] not in OWN
     ]
     files += [p for p in (root / "src").glob(f"hydra_plugins/{pkg}_*/*.py") if sweeps]
-    dist = f"{pkg}-{project['version']}.dist-info"
     entries = [(str(p.relative_to(root / "src")), p.read_bytes()) for p in sorted(files)]
+    # The version names the content (as torch's +cpu names a build): a template update changes it, so pip replaces
+    # the installed machinery instead of keeping the old one as "already satisfied"; pyproject's ==X.Y.Z matches it.
+    content = hashlib.sha256(b"".join(name.encode() + b"\0" + data for name, data in entries)).hexdigest()
+    version = f"{project['version']}+{content[:8]}"
+    dist = f"{pkg}-{version}.dist-info"
     entries += [
         (
             f"{dist}/METADATA",
@@ -365,7 +369,7 @@ def build_machinery_wheel(root: Path, pkg: str, sweeps: bool) -> Path:
                 [
                     "Metadata-Version: 2.1",
                     f"Name: {pkg}",
-                    f"Version: {project['version']}",
+                    f"Version: {version}",
                     f"Requires-Python: {project['requires-python']}",
                     *requires,
                     "",
@@ -379,8 +383,10 @@ def build_machinery_wheel(root: Path, pkg: str, sweeps: bool) -> Path:
         return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
     record = "".join(f"{name},sha256={digest(data)},{len(data)}\n" for name, data in entries) + f"{dist}/RECORD,,\n"
-    wheel = root / VENDOR / f"{pkg}-{project['version']}-py3-none-any.whl"
+    wheel = root / VENDOR / f"{pkg}-{version}-py3-none-any.whl"
     wheel.parent.mkdir(exist_ok=True)
+    for stale in wheel.parent.glob(f"{pkg}-*.whl"):
+        stale.unlink()
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
         for name, data in [*entries, (f"{dist}/RECORD", record.encode())]:
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
@@ -435,7 +441,8 @@ def depend_on_machinery(root: Path, pkg: str, wheel: Path) -> None:
     pyproject = root / "pyproject.toml"
     text = pyproject.read_text()
     if f'"{name}==' not in text:
-        pin = f'    "{name}=={version}",  # the machinery: {VENDOR}/{wheel.name}, or your index once published\n'
+        release = version.split("+")[0]  # the locks pin the build (+content)
+        pin = f'    "{name}=={release}",  # the machinery: {VENDOR}/, or your index once published\n'
         pyproject.write_text(text.replace("dependencies = [\n", "dependencies = [\n" + pin, 1))
     entry = f"{name}=={version} \\\n    --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}\n"
     entry += f"    # via {pkg} (pyproject.toml)"
