@@ -700,7 +700,9 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     strip_template_only(root)
     package = args.machinery == "package"
-    wheel = build_machinery_wheel(root, old, sweeps="sweeps" in features) if package and old is not None else None
+    # a package-mode project renamed again has no machinery in src/ to build: its wheel and pins stay
+    build = package and old is not None and (root / "src" / old / "train.py").is_file()
+    wheel = build_machinery_wheel(root, old, sweeps="sweeps" in features) if build else None
     if old is not None:
         (keep_own if package else rename)(root, old, new)
     before = {str(p.relative_to(root)) for p in project_files(root)}

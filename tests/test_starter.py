@@ -559,6 +559,9 @@ def test_the_smallest_project_owns_its_models_and_data_and_depends_on_the_machin
     copy_tree(PROJECT_ROOT, again)
     rename_project.main(["cool_net", f"--root={again}", "--examples=digits", "--features=", "--machinery=package"])
     assert (again / "vendor" / wheel.name).read_bytes() == wheel.read_bytes()
+    rename_project.main(["cool_cat", f"--root={again}", "--examples=digits", "--features=", "--machinery=package"])
+    assert (again / "vendor" / wheel.name).read_bytes() == wheel.read_bytes()  # renamed again: the same machinery
+    assert "cool_cat.models.classifier" in (again / "configs/model/digits.yaml").read_text()
     # installs: the wheel's modules import from it, without the template's source on the path
     target = tmp_path / "site"
     sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel, cwd=tmp_path, env=tool_env)
