@@ -399,7 +399,8 @@ def keep_own(root: Path, old: str, new: str) -> None:
     """The package-mode rename: the user's modules (OWN) move to src/<new>/ and every reference to them follows;
     the project's name changes in pyproject.toml and the locks; every other `old` names the machinery, which
     keeps its name as a dependency. The machinery's source and tests leave the project."""
-    own = re.compile(rf"\b{old}(?=[./](?:{'|'.join(OWN)})\b|/(?![\w.]))")  # src/old/models..., src/old/ itself
+    # src/old/models/..., old.data, src/old/ itself; the project's names: its image (registry/old:tag), W&B project
+    own = re.compile(rf"(?<=project: ){old}\b|\b{old}(?=[./](?:{'|'.join(OWN)})\b|/(?![\w.])|:)")
     for path in project_files(root):
         rel = path.relative_to(root)
         if path.is_symlink() or path.name == ANSWERS_FILE:

@@ -528,6 +528,7 @@ def test_each_combination_of_the_projects_ci_generates_with_its_features(templat
     if (root / "vendor").exists() and (root / "Dockerfile").exists():  # the pods' image installs the machinery's wheel
         assert "COPY vendor /tmp/vendor\nENV PIP_FIND_LINKS=/tmp/vendor\n" in (root / "Dockerfile").read_text()
         assert "!vendor/" in (root / ".dockerignore").read_text()
+        assert "image: ghcr.io/your-org/cool_net:latest" in (root / "configs/cluster/kubernetes.yaml").read_text()
     project_tests(root, "-q", "tests/test_lock.py", "tests/test_docs.py")
 
 
