@@ -12,13 +12,16 @@ before anything is installed.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import hashlib
 import keyword
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
@@ -340,10 +343,6 @@ def build_machinery_wheel(root: Path, pkg: str, sweeps: bool) -> Path:
 
     Standard library only (this runs before anything is installed) and byte-for-byte reproducible (sorted entries,
     fixed times), so the locks' hash of it holds for every replay by `copier update`."""
-    import base64
-    import hashlib
-    import zipfile
-
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -436,8 +435,6 @@ def keep_own(root: Path, old: str, new: str) -> None:
 def depend_on_machinery(root: Path, pkg: str, wheel: Path) -> None:
     """pyproject.toml requires the machinery at its version, and each lock pins it by the wheel's hash (the Makefile
     finds it in vendor/)."""
-    import hashlib
-
     name, version = wheel.name.split("-")[:2]
     pyproject = root / "pyproject.toml"
     text = pyproject.read_text()
